@@ -1,0 +1,157 @@
+"""`dllm-rl <command> [key=value ...]`: the Hydra entry point, and the only module that sees a DictConfig.
+
+Each command composes `configs/<command>.yaml` with Hydra's override grammar (`group=option`, `key=value`,
+`+new.key=value`, `~key`), turns the result into plain dicts, and calls the library with flat keyword
+arguments. Flags: `--cfg` prints the resolved config and exits; `--help` describes the command.
+
+Hydra's own `@hydra.main` is not used: it changes the working directory and rejects the `--local_rank=N`
+flag that the `deepspeed` launcher appends. Here that flag is stripped (and exported as LOCAL_RANK) before
+the overrides are parsed. Configs are read from `$DLLM_RL_CONFIG_DIR`, else from `configs/` beside the
+package (an editable install from a clone).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException, OverrideParseException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from dllm_rl.errors import ConfigError, check_kwargs, did_you_mean, pick
+
+
+def config_dir() -> Path:
+    path = Path(os.environ.get("DLLM_RL_CONFIG_DIR", Path(__file__).resolve().parents[1] / "configs"))
+    if not (path / "tasks.yaml").is_file():
+        raise ConfigError(f"no configs found in {str(path)!r}: set DLLM_RL_CONFIG_DIR to the repository's configs/")
+    return path.resolve()
+
+
+# --------------------------------------------------------------------------------------------- commands
+
+
+def run_tasks(cfg: dict[str, Any]) -> None:
+    from dllm_rl.data import build_task
+    from dllm_rl.data.preview import preview_tasks
+    from dllm_rl.data.tokenizers import load_tokenizer
+
+    task = build_task(**cfg.pop("task"))
+    tokenizer = load_tokenizer(cfg.pop("tokenizer", None))
+    check_kwargs(preview_tasks, cfg, "")
+    preview_tasks(task, tokenizer=tokenizer, **cfg)
+
+
+# name -> (what it does, config file, runner taking the resolved config as plain dicts)
+COMMANDS: dict[str, tuple[str, str, Callable[[dict[str, Any]], None]]] = {
+    "tasks": ("print examples of a task and check its rewards and solver", "tasks", run_tasks),
+}
+
+
+# --------------------------------------------------------------------------------------------- plumbing
+
+
+def strip_launcher_args(argv: list[str]) -> list[str]:
+    """Remove `--local_rank=N` / `--local_rank N` (added by the deepspeed launcher) and export LOCAL_RANK."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        match = re.fullmatch(r"--local[_-]rank(?:=(\d+))?", arg)
+        if match:
+            value = match.group(1)
+            if value is None and i + 1 < len(argv):
+                value, i = argv[i + 1], i + 1
+            os.environ.setdefault("LOCAL_RANK", str(value))
+        else:
+            out.append(arg)
+        i += 1
+    return out
+
+
+def _all_keys(cfg: Any, prefix: str = "") -> list[str]:
+    if not isinstance(cfg, DictConfig):
+        return []
+    keys = []
+    for key in cfg.keys():
+        full = f"{prefix}{key}"
+        keys.append(full)
+        keys.extend(_all_keys(cfg._get_node(key), f"{full}."))
+    return keys
+
+
+def compose_config(config_name: str, overrides: list[str]) -> DictConfig:
+    """Compose with Hydra; unknown keys and options become ConfigErrors that name them."""
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3", job_name="dllm_rl"):
+        try:
+            return compose(config_name=config_name, overrides=overrides)
+        except (HydraException, OmegaConfBaseException) as exc:
+            message = str(exc).split("\nConfig search path:")[0].strip()
+            bad = re.search(r"Could not override '([^']+)'", message)
+            if bad and "not in struct" in str(exc.__cause__):
+                parent = bad.group(1).rpartition(".")[0]
+                keys = [k for k in _all_keys(compose(config_name=config_name)) if k.rpartition(".")[0] == parent]
+                raise ConfigError(
+                    f"unknown config key {bad.group(1)!r}{did_you_mean(bad.group(1), keys)}; "
+                    f"to add a new key write +{bad.group(1)}=..."
+                ) from None
+            if isinstance(exc, OverrideParseException):
+                message = f"cannot parse the overrides {overrides}: {message.splitlines()[0]}"
+            raise ConfigError(message.replace("\n\n", "\n").replace("\t", "  ")) from None
+
+
+def to_plain(cfg: DictConfig) -> dict[str, Any]:
+    try:
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(str(exc).splitlines()[0]) from None
+
+
+def usage() -> str:
+    lines = ["usage: dllm-rl <command> [key=value ...] [--cfg] [--help]", "", "commands:"]
+    lines += [f"  {name:10s} {doc}" for name, (doc, _, _) in COMMANDS.items()]
+    lines += ["", "Overrides use Hydra's grammar: group=option, key=value, +new.key=value, ~key."]
+    return "\n".join(lines)
+
+
+def command_help(name: str) -> str:
+    doc, config_name, _ = COMMANDS[name]
+    groups = sorted(p.name for p in config_dir().iterdir() if p.is_dir())
+    options = {g: sorted(f.stem for f in (config_dir() / g).glob("*.yaml")) for g in groups}
+    lines = [f"dllm-rl {name}: {doc}", f"config: {config_dir() / (config_name + '.yaml')}", "config groups:"]
+    lines += [f"  {g}: {' | '.join(opts)}" for g, opts in options.items()]
+    lines += ["", "Print the resolved config with --cfg."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = strip_launcher_args(list(sys.argv[1:] if argv is None else argv))
+    if not args or args[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    try:
+        doc, config_name, runner = pick(COMMANDS, args[0], "command")
+        flags = {a for a in args[1:] if a.startswith("--")}
+        unknown = flags - {"--cfg", "--help", "-h"}
+        if unknown:
+            raise ConfigError(f"unknown flag(s) {sorted(unknown)}; expected --cfg or --help")
+        if "--help" in flags:
+            print(command_help(args[0]))
+            return 0
+        cfg = compose_config(config_name, [a for a in args[1:] if not a.startswith("--")])
+        if "--cfg" in flags:
+            print(OmegaConf.to_yaml(cfg, resolve=True), end="")
+            return 0
+        runner(to_plain(cfg))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""GSM8K and MATH500 from local files in their public formats, read with `datasets`.
+
+- GSM8K rows: `question`, `answer` = worked solution ending in `#### N` (the reference is N, commas removed).
+- MATH500 rows: `problem`, `solution`, `answer` (plus `subject`, `level`, `unique_id` when present).
+
+Files may be JSON Lines, JSON, Parquet or CSV. With both `train_file` and `test_file` the files are the
+splits, and any train problem that also appears in the test file is dropped (so the splits never overlap);
+with one file, problems are split by a hash of their text with `test_fraction`. Nothing is downloaded.
+These tasks have no exact solver; the worked solution is kept in `meta["solution"]`.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from dllm_rl.data.answers import extract_final_answer, is_formatted
+from dllm_rl.data.math_equal import math_equal
+from dllm_rl.data.task import D1_FORMAT, Example, Reward, Solution, check_common, in_test_split, score
+from dllm_rl.errors import ConfigError, require
+
+BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+@lru_cache(maxsize=16)
+def _load(path: str, mtime: float) -> tuple[dict, ...]:
+    import datasets  # heavy; only the file-based tasks need it
+
+    builder = BUILDERS.get(Path(path).suffix)
+    require(builder is not None, f"cannot read {path!r}: expected a file ending in one of {sorted(BUILDERS)}")
+    rows = datasets.load_dataset(builder, data_files=path, split="train")
+    return tuple(rows.to_list())
+
+
+def load_rows(path: str, columns: tuple[str, ...], key: str) -> tuple[dict, ...]:
+    file = Path(path).expanduser()
+    require(file.is_file(), f"{key}={path!r}: no such file")
+    rows = _load(str(file.resolve()), file.stat().st_mtime)
+    missing = [c for c in columns if rows and c not in rows[0]]
+    require(not missing, f"{key}={path!r}: rows lack the column(s) {missing}; expected {list(columns)}")
+    return rows
+
+
+def _uid(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip()
+
+
+def gsm8k_example(row: dict, index: int, source: str) -> Example:
+    solution, sep, final = str(row["answer"]).rpartition("####")
+    if not sep or not final.strip():
+        raise ConfigError(f"{source}: row {index} has no '#### N' final answer in its 'answer' field")
+    question = str(row["question"]).strip()
+    return Example("gsm8k", _uid(question), question, final.strip().replace(",", ""), {"solution": solution.strip()})
+
+
+def math500_example(row: dict, index: int, source: str) -> Example:
+    problem = str(row["problem"]).strip()
+    meta = {k: row[k] for k in ("solution", "subject", "level", "unique_id") if k in row}
+    return Example("math500", _uid(problem), problem, str(row["answer"]).strip(), meta)
+
+
+@dataclass(frozen=True)
+class FileTask:
+    """A task whose problems come from files; `name` picks the format (see FORMATS)."""
+
+    name: str = "gsm8k"
+    train_file: str | None = None
+    test_file: str | None = None
+    test_fraction: float = 0.1
+    prompt_style: str = "d1"
+    format_weight: float = 0.0
+    symbolic_timeout_s: float = 3.0
+
+    def __post_init__(self) -> None:
+        require(self.name in FORMATS, f"file task name must be one of {sorted(FORMATS)}, got {self.name!r}")
+        require(self.train_file or self.test_file,
+                f"task {self.name!r} reads local files: set task.train_file and/or task.test_file "
+                f"(columns {list(FORMATS[self.name][0])})")
+        check_common("train", None, self.test_fraction, self.prompt_style)
+
+    def _split_rows(self, split: str) -> list[Example]:
+        columns, make = FORMATS[self.name]
+
+        def read(path: str, key: str) -> list[Example]:
+            return [make(row, i, path) for i, row in enumerate(load_rows(path, columns, key))]
+
+        if self.train_file and self.test_file:
+            test = read(self.test_file, "task.test_file")
+            if split == "test":
+                return test
+            held_out = {ex.uid for ex in test}
+            return [ex for ex in read(self.train_file, "task.train_file") if ex.uid not in held_out]
+        key = "task.train_file" if self.train_file else "task.test_file"
+        rows = read(self.train_file or self.test_file, key)
+        return [ex for ex in rows if in_test_split(self.name, ex.uid, self.test_fraction) == (split == "test")]
+
+    def examples(self, split: str, n: int | None, seed: int) -> list[Example]:
+        check_common(split, n, self.test_fraction, self.prompt_style)
+        rows = list({ex.uid: ex for ex in self._split_rows(split)}.values())  # drop duplicate problems
+        if n is None:
+            return rows
+        require(n <= len(rows), f"n={n} but the {split} split of {self.name!r} has only {len(rows)} problems")
+        return random.Random(f"{self.name}|{split}|{seed}").sample(rows, n)
+
+    def prompt(self, example: Example) -> str:
+        if self.prompt_style == "compact":
+            return f"{example.question}\n"
+        hint = "final answer (a number)" if self.name == "gsm8k" else "final answer in LaTeX, e.g. \\frac{1}{2}"
+        return f"{example.question}\nSolve it step by step.\n" + D1_FORMAT.format(answer_hint=hint)
+
+    def reward(self, completion: str, example: Example) -> Reward:
+        formatted = is_formatted(completion)
+        answer, reason = extract_final_answer(completion)
+        if answer is None:
+            return Reward(score(0, formatted, self.format_weight), False, formatted, reason)
+        equal, reason = math_equal(answer, example.answer, symbolic=self.name != "gsm8k",
+                                   timeout_s=self.symbolic_timeout_s)
+        return Reward(score(float(equal), formatted, self.format_weight), equal, formatted, reason)
+
+    def solve(self, example: Example) -> Solution | None:
+        return None
+
+
+FORMATS = {
+    "gsm8k": (("question", "answer"), gsm8k_example),
+    "math500": (("problem", "answer"), math500_example),
+}

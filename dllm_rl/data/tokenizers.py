@@ -1,0 +1,100 @@
+"""Tokenizers built offline with the `tokenizers` library, wrapped as Hugging Face fast tokenizers.
+
+Two builders, both with the same special tokens (pad, mask, eos, bos, unk; pad != mask, because a
+masked-diffusion model must tell "still to be generated" from "nothing here"):
+
+- `build_char_tokenizer`: one token per character of a fixed alphabet (printable ASCII and newline by
+  default); a character outside it becomes `<|unk|>`, which `unknown_characters` reports.
+- `build_bpe_tokenizer`: byte-level BPE trained on the given texts; represents any text.
+
+Both round-trip through `save_pretrained` / `AutoTokenizer.from_pretrained`. A chat template (Jinja) may
+be attached; prompts then go through it (`dllm_rl.data.task.render_prompt`).
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+from typing import Iterable
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from dllm_rl.errors import require
+
+SPECIAL_TOKENS = {
+    "pad_token": "<|pad|>",
+    "mask_token": "<|mask|>",
+    "eos_token": "<|eos|>",
+    "bos_token": "<|bos|>",
+    "unk_token": "<|unk|>",
+}
+DEFAULT_ALPHABET = string.printable.replace("\t", "").replace("\r", "").replace("\x0b", "").replace("\x0c", "")
+
+# A minimal chat template: a user turn, then the assistant's turn opens.
+SIMPLE_CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}\n"
+    "{% elif m['role'] == 'user' %}User: {{ m['content'] }}\n"
+    "{% else %}Assistant: {{ m['content'] }}{{ eos_token }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}Assistant: {% endif %}"
+)
+
+
+def _wrap(tok: Tokenizer, chat_template: str | None, model_max_length: int) -> PreTrainedTokenizerFast:
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=model_max_length, **SPECIAL_TOKENS)
+    if chat_template is not None:
+        wrapped.chat_template = chat_template
+    return wrapped
+
+
+def build_char_tokenizer(
+    alphabet: str = DEFAULT_ALPHABET, chat_template: str | None = None, model_max_length: int = 1024
+) -> PreTrainedTokenizerFast:
+    """Special tokens get ids 0-4, then one id per distinct character of `alphabet`, in order."""
+    chars = list(dict.fromkeys(alphabet))
+    require(chars, "alphabet must contain at least one character")
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS.values())}
+    for c in chars:
+        vocab.setdefault(c, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS["unk_token"]))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(list(SPECIAL_TOKENS.values()))
+    return _wrap(tok, chat_template, model_max_length)
+
+
+def build_bpe_tokenizer(
+    texts: Iterable[str], vocab_size: int = 512, chat_template: str | None = None, model_max_length: int = 1024
+) -> PreTrainedTokenizerFast:
+    """Byte-level BPE trained on `texts` (deterministic for the same texts and size)."""
+    require(vocab_size >= 256 + len(SPECIAL_TOKENS),
+            f"vocab_size must be at least {256 + len(SPECIAL_TOKENS)} for byte-level BPE, got {vocab_size}")
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS.values()),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return _wrap(tok, chat_template, model_max_length)
+
+
+def unknown_characters(tokenizer: PreTrainedTokenizerFast, text: str) -> list[str]:
+    """Characters of `text` that `tokenizer` maps to its unknown token (empty for byte-level BPE)."""
+    if tokenizer.unk_token_id is None:
+        return []
+    ids = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return [
+        text[start:end]
+        for tid, (start, end) in zip(ids["input_ids"], ids["offset_mapping"])
+        if tid == tokenizer.unk_token_id
+    ]
+
+
+def load_tokenizer(path: str | None, key: str = "tokenizer"):
+    """A tokenizer from a local directory (never a hub id), or None for no path."""
+    if path is None:
+        return None
+    require(Path(path).expanduser().is_dir(), f"{key}={path!r}: expected a local tokenizer directory")
+    return AutoTokenizer.from_pretrained(str(Path(path).expanduser()))

@@ -1,0 +1,87 @@
+"""The one error type for bad user input, and the checks that raise it.
+
+A `ConfigError` always names the offending key or value and says what was expected; the CLI prints it
+without a traceback and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import inspect
+import types
+import typing
+from typing import Any, Callable, Iterable
+
+
+class ConfigError(ValueError):
+    """A configuration value or input that cannot be used, with a message naming it."""
+
+
+def require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def pick(table: dict[str, Any], name: str, what: str) -> Any:
+    """`table[name]`, or a ConfigError that lists the valid names."""
+    if name not in table:
+        raise ConfigError(
+            f"unknown {what} {name!r}{did_you_mean(str(name), table)}; expected one of {sorted(table)}"
+        )
+    return table[name]
+
+
+def check_kwargs(fn: Callable, kwargs: dict[str, Any], prefix: str) -> None:
+    """Reject keys that `fn` does not accept, naming them as the user wrote them (`prefix.key`)."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    for key in kwargs:
+        if key not in params:
+            where = f"{prefix}.{key}" if prefix else key
+            raise ConfigError(
+                f"unknown config key {where!r}{did_you_mean(key, params)}; "
+                f"valid keys{' under ' + repr(prefix) if prefix else ''}: {sorted(params)}"
+            )
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if origin in (tuple, list):
+        # Config lists arrive as lists; a bare scalar is accepted where a (min, max) pair is expected.
+        items = value if isinstance(value, (list, tuple)) else [value]
+        inner = [a for a in args if a is not Ellipsis] or [Any]
+        return all(_matches(v, inner[0]) for v in items)
+    if isinstance(hint, type):
+        return isinstance(value, hint)
+    return True
+
+
+def check_types(fn: Callable, kwargs: dict[str, Any], prefix: str) -> None:
+    """Reject values whose type does not fit `fn`'s annotation, e.g. `task.max_number=abc`."""
+    target = fn.func if isinstance(fn, functools.partial) else fn
+    hints = typing.get_type_hints(target.__init__ if isinstance(target, type) else target)
+    for key, value in kwargs.items():
+        if key in hints and not _matches(value, hints[key]):
+            where = f"{prefix}.{key}" if prefix else key
+            hint = hints[key]
+            expected = str(hint) if typing.get_args(hint) else getattr(hint, "__name__", str(hint))
+            raise ConfigError(f"{where}={value!r}: expected {expected.replace('typing.', '')}")

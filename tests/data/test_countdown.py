@@ -1,0 +1,84 @@
+from fractions import Fraction
+
+import pytest
+
+from dllm_rl.data.countdown import (
+    Countdown, ExpressionError, countdown_reward, evaluate, literals, parse_expression, solve_countdown, to_text,
+)
+from dllm_rl.data.task import Solution, render_completion
+
+
+def answer(expr: str) -> str:
+    return f"<reasoning>x</reasoning>\n<answer>\n{expr}\n</answer>"
+
+
+@pytest.mark.parametrize(
+    "expr, numbers, target, correct",
+    [
+        ("3*5+7", [3, 5, 7], 22, True),
+        ("7 + 5 * 3", [3, 5, 7], 22, True),        # precedence: 5*3 first
+        ("(7+5)*3", [3, 5, 7], 36, True),
+        ("(7+5)*3", [3, 5, 7], 22, False),         # evaluates to 36
+        ("3*5+7", [3, 5, 7, 2], 22, False),        # 2 unused
+        ("3*5+7+7", [3, 5, 7], 29, False),         # 7 used twice
+        ("8/(3-8/3)", [8, 3, 8, 3], 24, True),     # needs exact rational arithmetic: 8/(1/3) = 24
+        ("6/4*2", [6, 4, 2], 3, True),             # (6/4)*2, left to right
+        ("6/(4*2)", [6, 4, 2], 3, False),          # 3/4
+        ("-3+5+2", [3, 5, 2], 4, False),           # unary minus is not one of the operations
+        ("3*5+7=22", [3, 5, 7], 22, False),        # no equals sign
+    ],
+)
+def test_countdown_reward_hand_cases(expr, numbers, target, correct):
+    reward = countdown_reward(answer(expr), numbers, target)
+    assert reward.correct is correct
+    assert reward.score == (1.0 if correct else 0.0)
+    assert reward.formatted
+    assert (reward.reason == "ok") is correct
+
+
+def test_countdown_reasons_and_format_weight():
+    assert countdown_reward(answer("3*5"), [3, 5, 7], 15).reason == "uses [3, 5], expected each of [3, 5, 7] exactly once"
+    assert countdown_reward(answer("7/(5-5)"), [7, 5, 5], 1).reason == "division by zero"
+    assert countdown_reward(answer("3+5+7"), [3, 5, 7], 16).reason == "evaluates to 15, not 16"
+    # format_weight adds to the score for a well-formed answer, whether right or wrong (d1 gives 0.1).
+    assert countdown_reward(answer("3+5+7"), [3, 5, 7], 16, format_weight=0.1).score == pytest.approx(0.1)
+    assert countdown_reward(answer("3+5+7"), [3, 5, 7], 15, format_weight=0.1).score == pytest.approx(1.1)
+    assert countdown_reward("3+5+7", [3, 5, 7], 15, format_weight=0.1).score == 0.0
+
+
+def test_parser_and_printer_agree():
+    for text in ["1+2*3", "(1+2)*3", "1-(2-3)", "1-2-3", "8/(4/2)", "8/4/2", "2*(3/4)", "1+(2-3)"]:
+        tree = parse_expression(text)
+        assert evaluate(parse_expression(to_text(tree))) == evaluate(tree)
+    assert evaluate(parse_expression("1-(2-3)")) == 2
+    assert evaluate(parse_expression("8/4/2")) == 1
+    assert to_text(parse_expression("1-(2-3)")) == "1-(2-3)"
+    assert to_text(parse_expression("1+(2-3)")) == "1+2-3"
+    with pytest.raises(ExpressionError, match="missing"):
+        parse_expression("(1+2")
+
+
+def test_solver_finds_a_correct_expression_or_none():
+    tree = solve_countdown([8, 3, 8, 3], 24)
+    assert tree is not None and evaluate(tree) == 24
+    assert sorted(literals(tree)) == [3, 3, 8, 8]
+    assert solve_countdown([1, 1, 1], 100) is None  # at most (1+1)*... = 3: unsolvable
+    assert evaluate(solve_countdown([2, 3], Fraction(2, 3))) == Fraction(2, 3)
+
+
+def test_generated_instances_are_solvable_and_in_range():
+    task = Countdown()
+    for ex in task.examples("train", 300, seed=3):
+        numbers, target = ex.meta["numbers"], ex.meta["target"]
+        assert len(numbers) in (3, 4) and all(1 <= x <= 99 for x in numbers)
+        assert 1 <= target <= 100
+        solution = task.solve(ex)
+        assert task.reward(render_completion(solution), ex).correct
+        assert task.reward(render_completion(Solution(ex.answer), "compact"), ex).correct
+
+
+def test_prompt_styles():
+    ex = Countdown().examples("train", 1, 0)[0]
+    d1 = Countdown().prompt(ex)
+    assert str(ex.meta["numbers"]) in d1 and "<answer>" in d1 and "<reasoning>" in d1
+    assert Countdown(prompt_style="compact").prompt(ex) == f"Countdown. {ex.question}\n"

@@ -1,0 +1,60 @@
+import pytest
+from transformers import AutoTokenizer
+
+from dllm_rl.data.tokenizers import (
+    SIMPLE_CHAT_TEMPLATE, SPECIAL_TOKENS, build_bpe_tokenizer, build_char_tokenizer, load_tokenizer,
+    unknown_characters,
+)
+from dllm_rl.errors import ConfigError
+
+TEXT = "<reasoning>\n3*5=15\n</reasoning>\n<answer>\n3*5+7\n</answer>"
+
+
+def check_special_tokens(tok):
+    ids = {name: getattr(tok, f"{name}_id") for name in SPECIAL_TOKENS}
+    assert None not in ids.values()
+    assert len(set(ids.values())) == len(ids)  # pad != mask != eos != bos != unk
+    assert tok.pad_token_id != tok.mask_token_id
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_round_trip_through_save_pretrained(kind, tmp_path):
+    if kind == "char":
+        tok = build_char_tokenizer(chat_template=SIMPLE_CHAT_TEMPLATE)
+    else:
+        tok = build_bpe_tokenizer([TEXT, "Numbers: [3, 5, 7]\nTarget: 22"] * 50, vocab_size=300,
+                                  chat_template=SIMPLE_CHAT_TEMPLATE)
+    check_special_tokens(tok)
+    ids = tok(TEXT, add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == TEXT
+    tok.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    check_special_tokens(loaded)
+    assert loaded(TEXT, add_special_tokens=False)["input_ids"] == ids
+    assert {n: getattr(loaded, f"{n}_id") for n in SPECIAL_TOKENS} == {n: getattr(tok, f"{n}_id") for n in SPECIAL_TOKENS}
+    assert loaded.chat_template == SIMPLE_CHAT_TEMPLATE
+    assert load_tokenizer(str(tmp_path))(TEXT, add_special_tokens=False)["input_ids"] == ids
+
+
+def test_char_tokenizer_is_one_token_per_character():
+    tok = build_char_tokenizer(alphabet="ab\n")
+    assert tok.convert_ids_to_tokens(tok("ab\nba", add_special_tokens=False)["input_ids"]) == list("ab\nba")
+    assert len(tok) == len(SPECIAL_TOKENS) + 3
+    # Special tokens in text are single tokens.
+    assert tok("a<|mask|>b", add_special_tokens=False)["input_ids"] == [5, tok.mask_token_id, 6]
+
+
+def test_unknown_characters_are_reported_not_dropped():
+    tok = build_char_tokenizer()
+    assert unknown_characters(tok, "héllo €5") == ["é", "€"]
+    assert tok.decode(tok("é", add_special_tokens=False)["input_ids"]) == "<|unk|>"
+    bpe = build_bpe_tokenizer(["hello"] * 10, vocab_size=300)
+    assert unknown_characters(bpe, "héllo €5") == []
+    assert bpe.decode(bpe("héllo €5", add_special_tokens=False)["input_ids"]) == "héllo €5"
+
+
+def test_bad_arguments_are_named(tmp_path):
+    with pytest.raises(ConfigError, match="vocab_size"):
+        build_bpe_tokenizer(["x"], vocab_size=10)
+    with pytest.raises(ConfigError, match="expected a local tokenizer directory"):
+        load_tokenizer(str(tmp_path / "nope"))
