@@ -47,9 +47,39 @@ def run_tasks(cfg: dict[str, Any]) -> None:
     preview_tasks(task, tokenizer=tokenizer, **cfg)
 
 
+def run_generate(cfg: dict[str, Any]) -> None:
+    from dllm_rl.rollout.generate import run_generate as generate
+
+    cfg["rollout"].pop("name", None)
+    check_kwargs(generate, cfg, "")
+    generate(**cfg)
+
+
+def run_eval(cfg: dict[str, Any]) -> None:
+    from dllm_rl.data import build_task
+    from dllm_rl.evaluate import run_eval as evaluate
+
+    task = build_task(**cfg.pop("task"))
+    cfg["rollout"].pop("name", None)
+    check_kwargs(evaluate, cfg, "")
+    evaluate(task, **cfg)
+
+
+def run_sft(cfg: dict[str, Any]) -> None:
+    from dllm_rl.data import build_task
+    from dllm_rl.sft import run_sft as sft
+
+    task = build_task(**cfg.pop("task"))
+    check_kwargs(sft, cfg, "")
+    sft(task, **cfg)
+
+
 # name -> (what it does, config file, runner taking the resolved config as plain dicts)
 COMMANDS: dict[str, tuple[str, str, Callable[[dict[str, Any]], None]]] = {
     "tasks": ("print examples of a task and check its rewards and solver", "tasks", run_tasks),
+    "generate": ("sample completions for a prompt from a local model", "generate", run_generate),
+    "eval": ("pass@k, best-of-k, format rate and length of a model on a task", "eval", run_eval),
+    "sft": ("fine-tune a dLLM or causal LM on a task's solver data", "sft", run_sft),
 }
 
 

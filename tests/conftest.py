@@ -8,3 +8,36 @@ FIXTURES = Path(__file__).parent / "fixtures"
 @pytest.fixture
 def fixtures() -> Path:
     return FIXTURES
+
+
+@pytest.fixture(scope="session")
+def char_tokenizer():
+    from dllm_rl.data.tokenizers import build_char_tokenizer
+
+    return build_char_tokenizer()
+
+
+def make_tiny_dllm(tokenizer, seed: int = 0, hidden: int = 32, layers: int = 2):
+    """A randomly initialised native dLLM small enough for unit tests (~40k parameters)."""
+    import torch
+
+    from dllm_rl.policy.adapters import wrap_model
+    from dllm_rl.policy.modeling import DiffusionLM, DiffusionLMConfig
+
+    config = DiffusionLMConfig(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers,
+                               num_attention_heads=4, max_position_embeddings=128,
+                               mask_token_id=tokenizer.mask_token_id, pad_token_id=tokenizer.pad_token_id,
+                               eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    torch.manual_seed(seed)
+    return wrap_model(DiffusionLM(config).eval(), "native", tokenizer)
+
+
+@pytest.fixture
+def tiny_policy(char_tokenizer):
+    return make_tiny_dllm(char_tokenizer)
+
+
+@pytest.fixture
+def make_dllm(char_tokenizer):
+    """Factory for tiny native dLLMs: make_dllm(seed=0, hidden=32, layers=2)."""
+    return lambda **kwargs: make_tiny_dllm(char_tokenizer, **kwargs)

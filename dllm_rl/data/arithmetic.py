@@ -56,7 +56,7 @@ class Arithmetic:
     num_operands: tuple[int, int] = (2, 3)
     ops: str = "+-*"
     test_fraction: float = 0.1
-    prompt_style: str = "d1"
+    prompt_style: str = "compact"
     format_weight: float = 0.0
 
     def __post_init__(self) -> None:

@@ -1,7 +1,7 @@
 """Countdown: combine the given numbers with + - * / to reach a target, each number used exactly once.
 
-Prompt and answer format follow the d1 paper (arXiv 2504.12216), whose Countdown set has 3 or 4 numbers
-below 100 and a target up to 100. Instances are generated from a random expression tree over the drawn
+Prompt and answer format follow the d1 paper (arXiv 2504.12216), which trains on the 3-number instances of
+a Countdown set with numbers below 100 and targets up to 100 (4 numbers are an option here). Instances are generated from a random expression tree over the drawn
 numbers (so every instance is solvable), with integer intermediate results as in the TV game; the reward
 accepts any expression that reaches the target exactly in rational arithmetic.
 
@@ -212,13 +212,13 @@ def steps_of(tree) -> list[str]:
 @dataclass(frozen=True)
 class Countdown:
     name = "countdown"
-    num_numbers: tuple[int, ...] = (3, 4)
+    num_numbers: tuple[int, ...] = (3,)
     min_number: int = 1
     max_number: int = 99
     min_target: int = 1
     max_target: int = 100
     test_fraction: float = 0.1
-    prompt_style: str = "d1"
+    prompt_style: str = "compact"
     format_weight: float = 0.0
 
     def __post_init__(self) -> None:

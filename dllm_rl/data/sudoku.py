@@ -149,7 +149,7 @@ class Sudoku:
     blanks: tuple[int, int] = (6, 10)
     partial_credit: bool = False
     test_fraction: float = 0.1
-    prompt_style: str = "d1"
+    prompt_style: str = "compact"
     format_weight: float = 0.0
 
     def __post_init__(self) -> None:

@@ -67,7 +67,7 @@ def test_solver_finds_a_correct_expression_or_none():
 
 
 def test_generated_instances_are_solvable_and_in_range():
-    task = Countdown()
+    task = Countdown(num_numbers=(3, 4))
     for ex in task.examples("train", 300, seed=3):
         numbers, target = ex.meta["numbers"], ex.meta["target"]
         assert len(numbers) in (3, 4) and all(1 <= x <= 99 for x in numbers)
@@ -79,6 +79,6 @@ def test_generated_instances_are_solvable_and_in_range():
 
 def test_prompt_styles():
     ex = Countdown().examples("train", 1, 0)[0]
-    d1 = Countdown().prompt(ex)
+    d1 = Countdown(prompt_style="d1").prompt(ex)
     assert str(ex.meta["numbers"]) in d1 and "<answer>" in d1 and "<reasoning>" in d1
-    assert Countdown(prompt_style="compact").prompt(ex) == f"Countdown. {ex.question}\n"
+    assert Countdown().prompt(ex) == f"Countdown. {ex.question}\n"

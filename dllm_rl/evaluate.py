@@ -1,0 +1,130 @@
+"""Evaluation: pass@1, unbiased pass@k, best-of-k, format rate and completion length per task.
+
+`num_samples` completions are drawn for each of `num_prompts` held-out prompts. Each completion's seed is
+derived from (seed, prompt index, sample index) alone, so results do not depend on the batch size.
+
+- pass@k: the unbiased estimator of Chen et al. 2021 (arXiv 2107.03374), 1 - C(n-c, k) / C(n, k), with n
+  samples of which c are correct, averaged over prompts.
+- best-of-k: the mean over prompts of the best reward among the first k samples (with an exact verifier
+  as the selector; equals pass@k's plug-in estimate when rewards are 0/1).
+
+Writes `samples.jsonl` (one line per completion: task, uid, prompt, completion, reward, correct,
+formatted, reason, num_tokens, sample, source) and `summary.json` into `output_dir`, when given.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from tqdm import tqdm
+
+from dllm_rl.data.task import Task, render_prompt
+from dllm_rl.errors import require
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that at least one of k samples drawn without replacement from n (c correct) is correct."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
+    digest = hashlib.blake2b(f"{seed}|{prompt_index}|{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+def ks_up_to(n: int) -> list[int]:
+    """1, 2, 4, ... up to n, plus n itself."""
+    ks = [1 << i for i in range(n.bit_length()) if (1 << i) <= n]
+    return ks if ks[-1] == n else ks + [n]
+
+
+def summarize(records: Sequence[dict[str, Any]], num_samples: int) -> dict[str, float]:
+    by_prompt: dict[str, list[dict]] = {}
+    for r in records:
+        by_prompt.setdefault(r["uid"], []).append(r)
+    groups = [sorted(g, key=lambda r: r["sample"]) for g in by_prompt.values()]
+    summary = {"num_prompts": len(groups), "num_samples": num_samples}
+    for k in ks_up_to(num_samples):
+        summary[f"pass@{k}"] = sum(pass_at_k(len(g), sum(r["correct"] for r in g), k) for g in groups) / len(groups)
+        summary[f"best_of_{k}"] = sum(max(r["reward"] for r in g[:k]) for g in groups) / len(groups)
+    summary["reward_mean"] = sum(r["reward"] for r in records) / len(records)
+    summary["format_rate"] = sum(r["formatted"] for r in records) / len(records)
+    summary["completion_tokens_mean"] = sum(r["num_tokens"] for r in records) / len(records)
+    return summary
+
+
+def evaluate_task(
+    generate: Callable[[list[str], list[int]], list],
+    task: Task,
+    *,
+    num_prompts: int = 100,
+    num_samples: int = 1,
+    batch_size: int = 32,
+    seed: int = 0,
+    split: str = "test",
+    tokenizer=None,
+    source: str = "",
+    print_fn=print,
+) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """Score `num_samples` completions for `num_prompts` prompts of `task`; returns (summary, records)."""
+    require(num_samples > 0, f"num_samples must be positive, got {num_samples}")
+    require(batch_size > 0, f"batch_size must be positive, got {batch_size}")
+    examples = task.examples(split, num_prompts, seed)
+    jobs = [(i, j) for i in range(len(examples)) for j in range(num_samples)]
+    records: list[dict[str, Any]] = []
+    start = time.perf_counter()
+    bar = tqdm(total=len(jobs), desc=f"eval {task.name}", unit="sample", disable=None)
+    for lo in range(0, len(jobs), batch_size):
+        batch = jobs[lo : lo + batch_size]
+        prompts = [render_prompt(task.prompt(examples[i]), tokenizer) for i, _ in batch]
+        completions = generate(prompts, [sample_seed(seed, i, j) for i, j in batch])
+        for (i, j), prompt, completion in zip(batch, prompts, completions):
+            reward = task.reward(completion.text, examples[i])
+            records.append({
+                "task": task.name, "uid": examples[i].uid, "prompt": prompt, "completion": completion.text,
+                "reward": reward.score, "correct": reward.correct, "formatted": reward.formatted,
+                "reason": reward.reason, "num_tokens": completion.num_tokens, "sample": j, "source": source,
+            })
+        bar.update(len(batch))
+    bar.close()
+    summary = summarize(records, num_samples)
+    summary["seconds"] = round(time.perf_counter() - start, 2)
+    print_fn(f"eval {task.name} [{split}]: " + " ".join(
+        f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
+    return summary, records
+
+
+def write_results(output_dir: str, summaries: dict[str, dict], records: Sequence[dict], meta: dict) -> None:
+    """samples.jsonl and summary.json, each written to a temporary name and renamed (never half-written)."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in (("samples.jsonl", "".join(json.dumps(r) + "\n" for r in records)),
+                       ("summary.json", json.dumps({"meta": meta, "tasks": summaries}, indent=2) + "\n")):
+        tmp = out / f".{name}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, out / name)
+
+
+def run_eval(task: Task, *, model: str, kind: str = "auto", dtype: str = "float32", rollout: dict[str, Any],
+             num_prompts: int = 100, num_samples: int = 1, batch_size: int = 32, seed: int = 0, split: str = "test",
+             chat: bool = True, output_dir: str | None = None, print_fn=print) -> dict[str, float]:
+    """`dllm-rl eval`: load `model`, evaluate it on `task`, write samples.jsonl and summary.json."""
+    from dllm_rl.rollout.generate import load_generator
+
+    generator = load_generator(model, kind=kind, dtype=dtype, **rollout)
+    summary, records = evaluate_task(
+        generator, task, num_prompts=num_prompts, num_samples=num_samples, batch_size=batch_size, seed=seed,
+        split=split, tokenizer=generator.tokenizer if chat else None, source=model, print_fn=print_fn)
+    output_dir = output_dir or time.strftime("runs/eval-%Y%m%d-%H%M%S")
+    meta = {"model": model, "task": task.name, "split": split, "seed": seed, "rollout": rollout}
+    write_results(output_dir, {task.name: summary}, records, meta)
+    print_fn(f"wrote {output_dir}/samples.jsonl and {output_dir}/summary.json")
+    return summary

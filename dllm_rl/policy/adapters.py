@@ -1,0 +1,126 @@
+"""A masked-diffusion model seen as a policy: one protocol, three adapters (native, LLaDA, Dream).
+
+Everything downstream (sampler, likelihood estimators, SFT) calls `policy.logits(ids_BL, attention_mask_BL)`
+and gets logits aligned so that `logits[:, i]` scores token i, plus `policy.mask_id`. What each adapter
+assumes of a checkpoint:
+
+- `native`: a `DiffusionLM` directory (`dllm_rl.policy.modeling`); `config.mask_token_id` is set.
+- `llada`: loaded with `AutoModel.from_pretrained(path, trust_remote_code=True)` (GSAI-ML/LLaDA-8B-*).
+  `model(input_ids=..., attention_mask=...)` returns an object with `.logits` of shape (B, L, V),
+  unshifted. The mask id is `config.mask_token_id` (126336 for LLaDA-8B), else the tokenizer's
+  `mask_token_id`, else the id of `<|mdm_mask|>`.
+- `dream`: loaded the same way (Dream-org/Dream-v0-*-7B). Its logits are shifted like an AR model's:
+  position i holds the prediction for token i + 1, so the adapter moves them right by one (position 0 keeps
+  its own row, which only ever belongs to the prompt). It takes a 4-D boolean attention mask (B, 1, L, L)
+  and explicit `position_ids` that count real tokens, as Dream's own sampler passes them. The mask id is
+  `config.mask_token_id` (151666), else the tokenizer's.
+
+`kind="auto"` reads `config.model_type` ("dllm_rl_diffusion_lm", "llada", "Dream"/"dream").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from transformers import AutoConfig, AutoModel, AutoTokenizer
+
+from dllm_rl.errors import ConfigError, pick, require
+
+
+def native_logits(model, ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor | None) -> torch.Tensor:
+    return model(input_ids=ids_BL, attention_mask=attention_mask_BL).logits
+
+
+def llada_logits(model, ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor | None) -> torch.Tensor:
+    if attention_mask_BL is None or bool(attention_mask_BL.all()):
+        return model(input_ids=ids_BL).logits  # LLaDA's reference sampler passes no mask
+    return model(input_ids=ids_BL, attention_mask=attention_mask_BL).logits
+
+
+def dream_logits(model, ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor | None) -> torch.Tensor:
+    if attention_mask_BL is None or bool(attention_mask_BL.all()):
+        logits_BLV = model(input_ids=ids_BL).logits
+    else:
+        real_BL = attention_mask_BL.bool()
+        position_ids_BL = (real_BL.long().cumsum(-1) - 1).clamp(min=0)
+        pair_mask_B1LL = real_BL[:, None, :, None] & real_BL[:, None, None, :]
+        logits_BLV = model(input_ids=ids_BL, attention_mask=pair_mask_B1LL, position_ids=position_ids_BL).logits
+    return torch.cat([logits_BLV[:, :1], logits_BLV[:, :-1]], dim=1)
+
+
+LOGITS_FNS: dict[str, Callable] = {"native": native_logits, "llada": llada_logits, "dream": dream_logits}
+MODEL_TYPES = {"dllm_rl_diffusion_lm": "native", "llada": "llada", "dream": "dream"}
+MASK_TOKENS = {"llada": "<|mdm_mask|>"}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class DiffusionPolicy:
+    """A model plus how to call it: the protocol the rest of the package programs against."""
+
+    model: Any
+    kind: str
+    mask_id: int
+    pad_id: int | None = None
+    eos_id: int | None = None
+
+    @property
+    def shifted(self) -> bool:
+        """Whether the checkpoint's raw logits are shifted by one (the adapter undoes it)."""
+        return self.kind == "dream"
+
+    def logits(self, ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor | None = None) -> torch.Tensor:
+        return LOGITS_FNS[self.kind](self.model, ids_BL, attention_mask_BL)
+
+    def parameters(self):
+        return self.model.parameters()
+
+
+def resolve_mask_id(config, tokenizer, kind: str) -> int:
+    mask_id = getattr(config, "mask_token_id", None)
+    if mask_id is None and tokenizer is not None:
+        mask_id = tokenizer.mask_token_id
+        if mask_id is None and kind in MASK_TOKENS:
+            found = tokenizer.convert_tokens_to_ids(MASK_TOKENS[kind])
+            mask_id = None if found == tokenizer.unk_token_id else found
+    if mask_id is None:
+        raise ConfigError(f"cannot find the mask token id of this {kind} checkpoint: set config.mask_token_id")
+    return int(mask_id)
+
+
+def detect_kind(config) -> str:
+    model_type = str(getattr(config, "model_type", "")).lower()
+    if model_type not in MODEL_TYPES:
+        raise ConfigError(
+            f"cannot tell which adapter fits model_type {model_type!r}; set policy kind to one of {sorted(LOGITS_FNS)}"
+        )
+    return MODEL_TYPES[model_type]
+
+
+def wrap_model(model, kind: str, tokenizer=None) -> DiffusionPolicy:
+    """A policy around an already-built model (used by tests and by the trainer)."""
+    pick(LOGITS_FNS, kind, "policy kind")
+    config = model.config
+    pad_id = getattr(config, "pad_token_id", None)
+    eos_id = getattr(config, "eos_token_id", None)
+    if tokenizer is not None:
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else pad_id
+        eos_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else eos_id
+    return DiffusionPolicy(model, kind, resolve_mask_id(config, tokenizer, kind), pad_id, eos_id)
+
+
+def load_policy(path: str, kind: str = "auto", dtype: str = "float32", device: str = "cpu"):
+    """(policy, tokenizer) from a local checkpoint directory; never downloads."""
+    require(Path(path).expanduser().is_dir(), f"model path {path!r}: expected a local model directory")
+    torch_dtype = pick(DTYPES, dtype, "dtype")
+    remote = kind != "native"
+    config = AutoConfig.from_pretrained(path, trust_remote_code=remote)
+    kind = detect_kind(config) if kind == "auto" else kind
+    pick(LOGITS_FNS, kind, "policy kind")
+    remote = kind != "native"
+    model = AutoModel.from_pretrained(path, trust_remote_code=remote, dtype=torch_dtype).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=remote)
+    return wrap_model(model, kind, tokenizer), tokenizer

@@ -1,0 +1,94 @@
+"""Text in, text out, for any supported model: a dLLM (native, LLaDA, Dream) or a causal LM.
+
+`TextGenerator(prompts, seeds)` encodes the prompts (left-padded), samples one completion per prompt with
+the row's own seed, and decodes it up to the first EOS. Used by `dllm-rl generate`, `dllm-rl eval` and
+later by the trainer for external rollouts. Settings are flat keyword arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from dllm_rl.errors import pick, require
+from dllm_rl.policy.adapters import DTYPES, MODEL_TYPES, DiffusionPolicy, load_policy
+from dllm_rl.rollout.causal import sample_causal
+from dllm_rl.rollout.sampler import completion_texts, denoise, left_pad, row_generators
+from dllm_rl.types import Samples
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    num_tokens: int  # tokens before the first EOS
+
+
+@dataclass
+class TextGenerator:
+    model: Any  # a DiffusionPolicy or a causal LM
+    tokenizer: Any
+    gen_length: int = 64
+    block_length: int = 32
+    steps: int = 64
+    temperature: float = 0.0
+    remasking: str = "low_confidence"
+    cfg_scale: float = 0.0
+
+    @property
+    def is_diffusion(self) -> bool:
+        return isinstance(self.model, DiffusionPolicy)
+
+    @property
+    def eos_id(self) -> int:
+        return self.model.eos_id if self.is_diffusion else self.tokenizer.eos_token_id
+
+    def sample(self, prompts: Sequence[str], seeds: Sequence[int]) -> Samples:
+        require(len(prompts) == len(seeds), f"got {len(prompts)} prompts but {len(seeds)} seeds")
+        encoded = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        ids_BP, mask_BP = left_pad(encoded, self.tokenizer.pad_token_id)
+        generators = row_generators(seeds)
+        if self.is_diffusion:
+            max_length = getattr(self.model.model.config, "max_position_embeddings", None)
+            return denoise(self.model, ids_BP, mask_BP, gen_length=self.gen_length, block_length=self.block_length,
+                           steps=self.steps, temperature=self.temperature, remasking=self.remasking,
+                           cfg_scale=self.cfg_scale, generators=generators, max_length=max_length)
+        return sample_causal(self.model, ids_BP, mask_BP, max_new_tokens=self.gen_length, eos_id=self.eos_id,
+                             temperature=self.temperature, generators=generators)
+
+    def __call__(self, prompts: Sequence[str], seeds: Sequence[int]) -> list[Completion]:
+        samples = self.sample(prompts, seeds)
+        texts = completion_texts(self.tokenizer, samples.completion_BC, self.eos_id)
+        lengths = [row.index(self.eos_id) if self.eos_id in row else len(row) for row in samples.completion_BC.tolist()]
+        return [Completion(t, n) for t, n in zip(texts, lengths)]
+
+
+def is_diffusion_checkpoint(path: str) -> bool:
+    config = AutoConfig.from_pretrained(path, trust_remote_code=True)
+    return str(getattr(config, "model_type", "")).lower() in MODEL_TYPES
+
+
+def load_generator(path: str, kind: str = "auto", dtype: str = "float32", **settings: Any) -> TextGenerator:
+    """A TextGenerator for a local checkpoint; `kind` is auto, native, llada, dream or causal."""
+    require(Path(path).expanduser().is_dir(), f"model={path!r}: expected a local model directory")
+    if kind == "causal" or (kind == "auto" and not is_diffusion_checkpoint(path)):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=pick(DTYPES, dtype, "dtype")).eval()
+        return TextGenerator(model, AutoTokenizer.from_pretrained(path), **settings)
+    policy, tokenizer = load_policy(path, kind=kind, dtype=dtype)
+    return TextGenerator(policy, tokenizer, **settings)
+
+
+def run_generate(*, model: str, prompt: str, rollout: dict[str, Any], kind: str = "auto", dtype: str = "float32",
+                 chat: bool = False, num_samples: int = 1, seed: int = 0, print_fn=print) -> list[Completion]:
+    """`dllm-rl generate`: print `num_samples` completions of `prompt`."""
+    from dllm_rl.data.task import render_prompt
+
+    require(num_samples > 0, f"num_samples must be positive, got {num_samples}")
+    generator = load_generator(model, kind=kind, dtype=dtype, **rollout)
+    text = render_prompt(prompt, generator.tokenizer) if chat else prompt
+    completions = generator([text] * num_samples, [seed + i for i in range(num_samples)])
+    for i, c in enumerate(completions):
+        print_fn(f"--- sample {i} ({c.num_tokens} tokens)\n{c.text}")
+    return completions

@@ -1,0 +1,164 @@
+"""The denoising sampler: LLaDA's semi-autoregressive low-confidence remasking, batched and reproducible.
+
+Semantics of LLaDA's reference `generate` (arXiv 2502.09992, Appendix B): the completion window of
+`gen_length` masks is split into blocks of `block_length` filled left to right; each block gets
+`steps / num_blocks` steps; at each step the model predicts every masked token (Gumbel-max sampling at
+`temperature`, noise drawn in float64 because low-precision Gumbel noise collapses the distribution's
+tail), and the `k` predictions with the highest confidence (low-confidence remasking) or `k` random ones
+(random remasking) are kept, `k` following the masking schedule. Optional classifier-free guidance runs
+the prompt-masked batch alongside: logits = uncond + (scale + 1) * (cond - uncond).
+
+How it departs from the reference:
+- Gumbel-max is written as argmax(logits - T * log(-log u)), which picks the same token as LLaDA's
+  exp(logits) / (-log u)^T without overflowing exp for large logits.
+- Randomness comes from one `torch.Generator` per row, so a row's sample does not depend on which other
+  rows share its batch (the batched sampler equals a per-row loop; evaluation does not depend on batch size).
+- Prompts are left-padded with an attention mask (LLaDA's reference takes one unpadded prompt).
+- The mask token is excluded from the predictions (an untrained or RL-drifted model may otherwise
+  "unmask" a position into the mask token).
+- It records, for each completion token, the global step at which it was unmasked and its probability.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from dllm_rl.errors import ConfigError, require
+from dllm_rl.policy.adapters import DiffusionPolicy
+from dllm_rl.policy.schedule import MaskingSchedule
+from dllm_rl.types import Samples
+
+REMASKING = ("low_confidence", "random")
+
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids_BP, attention_mask_BP) with every row right-aligned."""
+    width = max(len(s) for s in sequences)
+    ids_BP = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask_BP = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        if len(seq):
+            ids_BP[row, width - len(seq) :] = torch.as_tensor(list(seq), dtype=torch.long)
+            mask_BP[row, width - len(seq) :] = 1
+    return ids_BP, mask_BP
+
+
+def row_generators(seeds: Sequence[int]) -> list[torch.Generator]:
+    return [torch.Generator().manual_seed(int(s)) for s in seeds]
+
+
+def check_sampler_args(gen_length: int, block_length: int, steps: int, prompt_length: int,
+                       max_length: int | None, temperature: float, remasking: str, cfg_scale: float) -> int:
+    """Validate the settings; returns the number of blocks."""
+    require(gen_length > 0 and block_length > 0 and steps > 0,
+            f"gen_length, block_length and steps must be positive, got {gen_length}, {block_length}, {steps}")
+    require(gen_length % block_length == 0,
+            f"gen_length={gen_length} must be a multiple of block_length={block_length}")
+    num_blocks = gen_length // block_length
+    require(steps % num_blocks == 0,
+            f"steps={steps} must be divisible by the number of blocks gen_length/block_length={num_blocks}")
+    require(max_length is None or prompt_length + gen_length <= max_length,
+            f"prompt of {prompt_length} tokens + gen_length={gen_length} exceeds the model's context of {max_length}")
+    require(temperature >= 0, f"temperature must be >= 0, got {temperature}")
+    require(remasking in REMASKING, f"remasking must be one of {REMASKING}, got {remasking!r}")
+    require(cfg_scale >= 0, f"cfg_scale must be >= 0, got {cfg_scale}")
+    return num_blocks
+
+
+def guided_logits(policy: DiffusionPolicy, x_BL, attention_mask_BL, is_prompt_BL, cfg_scale: float):
+    if cfg_scale == 0:
+        return policy.logits(x_BL, attention_mask_BL)
+    uncond_BL = x_BL.masked_fill(is_prompt_BL, policy.mask_id)
+    both = policy.logits(torch.cat([x_BL, uncond_BL]), torch.cat([attention_mask_BL, attention_mask_BL]))
+    cond, uncond = both.chunk(2)
+    return uncond + (cfg_scale + 1) * (cond - uncond)
+
+
+def gumbel_argmax(logits_BCV: torch.Tensor, temperature: float, generators) -> torch.Tensor:
+    """Logits must already exclude the mask token (see `denoise`)."""
+    logits64 = logits_BCV.double()
+    if temperature == 0:
+        return logits64.argmax(-1)
+    u = torch.stack([torch.rand(logits_BCV.shape[1:], generator=g, dtype=torch.float64) for g in generators])
+    # Guard u == 0 (log(-log 0) = log(inf)): such a draw would be chosen with certainty anyway.
+    gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
+    return (logits64 + temperature * gumbel).argmax(-1)
+
+
+@torch.no_grad()
+def denoise(
+    policy: DiffusionPolicy,
+    prompt_ids_BP: torch.Tensor,
+    prompt_mask_BP: torch.Tensor | None = None,
+    *,
+    gen_length: int = 64,
+    block_length: int = 32,
+    steps: int = 64,
+    temperature: float = 0.0,
+    remasking: str = "low_confidence",
+    cfg_scale: float = 0.0,
+    generators: Sequence[torch.Generator] | None = None,
+    schedule: MaskingSchedule | None = None,
+    max_length: int | None = None,
+) -> Samples:
+    """Fill a window of `gen_length` masks after each prompt; see the module docstring."""
+    B, P = prompt_ids_BP.shape
+    num_blocks = check_sampler_args(gen_length, block_length, steps, P, max_length, temperature, remasking, cfg_scale)
+    if temperature > 0 or remasking == "random":
+        if generators is None or len(generators) != B:
+            raise ConfigError(f"sampling with temperature={temperature}, remasking={remasking!r} needs one "
+                              f"torch.Generator per row ({B}), got {None if generators is None else len(generators)}")
+    schedule = schedule or MaskingSchedule()
+    steps_per_block = steps // num_blocks
+    device = prompt_ids_BP.device
+    if prompt_mask_BP is None:
+        prompt_mask_BP = torch.ones_like(prompt_ids_BP)
+    mask_id = policy.mask_id
+    x_BL = torch.cat([prompt_ids_BP, torch.full((B, gen_length), mask_id, dtype=torch.long, device=device)], 1)
+    attention_mask_BL = torch.cat([prompt_mask_BP.long(), torch.ones((B, gen_length), dtype=torch.long, device=device)], 1)
+    is_prompt_BL = torch.zeros_like(x_BL, dtype=torch.bool)
+    is_prompt_BL[:, :P] = prompt_mask_BP.bool()
+    unmask_step_BC = torch.full((B, gen_length), -1, dtype=torch.long, device=device)
+    confidence_BC = torch.zeros((B, gen_length), dtype=torch.float32, device=device)
+
+    for block in range(num_blocks):
+        lo, hi = block * block_length, (block + 1) * block_length
+        num_masked_B = (x_BL[:, P + lo : P + hi] == mask_id).sum(-1)
+        transfer_BS = schedule.num_transfer_tokens(num_masked_B, steps_per_block).to(device)
+        for i in range(steps_per_block):
+            step = block * steps_per_block + i
+            window_BC = x_BL[:, P:]
+            is_masked_BC = window_BC == mask_id
+            logits_BCV = guided_logits(policy, x_BL, attention_mask_BL, is_prompt_BL, cfg_scale)[:, P:]
+            # Never predict the mask token itself (LLaDA relies on the trained model never doing so).
+            logits_BCV = logits_BCV.clone()
+            logits_BCV[..., mask_id] = float("-inf")
+            x0_BC = gumbel_argmax(logits_BCV, temperature, generators)
+            prob_BC = F.softmax(logits_BCV.double(), dim=-1).gather(-1, x0_BC[..., None]).squeeze(-1)
+            if remasking == "low_confidence":
+                score_BC = prob_BC.clone()
+            else:
+                score_BC = torch.stack([torch.rand(gen_length, generator=g, dtype=torch.float64) for g in generators])
+            # Only masked tokens of the current block compete for the k slots of this step.
+            in_block_C = torch.zeros(gen_length, dtype=torch.bool, device=device)
+            in_block_C[lo:hi] = True
+            score_BC = score_BC.masked_fill(~(is_masked_BC & in_block_C), float("-inf"))
+            ranks_BC = score_BC.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+            chosen_BC = ranks_BC < transfer_BS[:, i : i + 1]
+            x_BL[:, P:] = torch.where(chosen_BC, x0_BC, window_BC)
+            unmask_step_BC[chosen_BC] = step
+            confidence_BC[chosen_BC] = prob_BC[chosen_BC].float()
+    return Samples(x_BL, attention_mask_BL, P, unmask_step_BC, confidence_BC)
+
+
+def completion_texts(tokenizer, completion_BC: torch.Tensor, eos_id: int | None) -> list[str]:
+    """Decode each completion up to (not including) its first EOS; special tokens are dropped."""
+    texts = []
+    for row in completion_BC.tolist():
+        if eos_id is not None and eos_id in row:
+            row = row[: row.index(eos_id)]
+        texts.append(tokenizer.decode(row, skip_special_tokens=True))
+    return texts

@@ -1,0 +1,205 @@
+"""Supervised fine-tuning on solver-made task data: masked-diffusion SFT for the dLLM, causal-LM SFT for the
+external autoregressive model. Used to build the embedded models in `models/`.
+
+Masked-diffusion SFT follows LLaDA (arXiv 2502.09992, Sec. 2.3): the prompt is kept clean; every token of
+the response window (the completion followed by EOS up to `gen_length`, so the model learns to end its
+answer, as LLaDA pads responses with EOS) is masked with probability t ~ U[eps, 1], and the loss is the
+cross-entropy on masked tokens weighted by 1/t, summed over the window and divided by its length.
+Causal-LM SFT is next-token cross-entropy on the completion and its EOS only.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from dllm_rl.data.task import Task, render_completion, render_prompt
+from dllm_rl.errors import require
+from dllm_rl.policy.adapters import DiffusionPolicy
+from dllm_rl.policy.schedule import MaskingSchedule
+from dllm_rl.rollout.sampler import left_pad
+
+
+@dataclass(frozen=True)
+class SFTExample:
+    prompt: str
+    completion: str
+
+
+def solver_examples(task: Task, n: int, seed: int, with_steps: bool = True, tokenizer=None) -> list[SFTExample]:
+    """`n` train-split prompts of `task` with the exact solver's completion (steps optional)."""
+    out = []
+    for ex in task.examples("train", n, seed):
+        solution = task.solve(ex)
+        require(solution is not None, f"task {task.name!r} has no exact solver to make SFT data from")
+        if not with_steps:
+            solution = type(solution)(solution.answer)
+        out.append(SFTExample(render_prompt(task.prompt(ex), tokenizer), render_completion(solution, task.prompt_style)))
+    return out
+
+
+def drop_overlong(examples: Sequence[SFTExample], tokenizer, gen_length: int, print_fn=print) -> list[SFTExample]:
+    """Keep the examples whose completion fits the dLLM's window; say how many were dropped."""
+    kept = [e for e in examples if len(tokenizer(e.completion, add_special_tokens=False)["input_ids"]) <= gen_length]
+    if len(kept) < len(examples):
+        print_fn(f"dropped {len(examples) - len(kept)} of {len(examples)} examples longer than gen_length={gen_length}")
+    require(kept, f"no example fits gen_length={gen_length}")
+    return kept
+
+
+# ------------------------------------------------------------------------------------------- batches
+
+
+def diffusion_batch(tokenizer, examples: Sequence[SFTExample], gen_length: int):
+    """(ids_BL, attention_mask_BL, prompt_length): left-padded prompts, then a window of `gen_length`
+    holding the completion and EOS fill. Completions longer than the window are an error."""
+    prompts = [tokenizer(e.prompt, add_special_tokens=False)["input_ids"] for e in examples]
+    ids_BP, mask_BP = left_pad(prompts, tokenizer.pad_token_id)
+    window = torch.full((len(examples), gen_length), tokenizer.eos_token_id, dtype=torch.long)
+    for row, e in enumerate(examples):
+        ids = tokenizer(e.completion, add_special_tokens=False)["input_ids"]
+        require(len(ids) <= gen_length,
+                f"completion of {len(ids)} tokens does not fit gen_length={gen_length}: {e.completion[:60]!r}")
+        window[row, : len(ids)] = torch.as_tensor(ids)
+    return (torch.cat([ids_BP, window], 1), torch.cat([mask_BP, torch.ones_like(window)], 1), ids_BP.shape[1])
+
+
+def causal_batch(tokenizer, examples: Sequence[SFTExample]):
+    """(ids_BL, attention_mask_BL, labels_BL): right-padded prompt + completion + EOS; labels only on
+    the completion and its EOS (-100 elsewhere)."""
+    rows, labels = [], []
+    for e in examples:
+        p = tokenizer(e.prompt, add_special_tokens=False)["input_ids"]
+        c = tokenizer(e.completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        rows.append(p + c)
+        labels.append([-100] * len(p) + c)
+    width = max(map(len, rows))
+    ids_BL = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    labels_BL = torch.full((len(rows), width), -100, dtype=torch.long)
+    mask_BL = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, (r, lab) in enumerate(zip(rows, labels)):
+        ids_BL[i, : len(r)] = torch.as_tensor(r)
+        labels_BL[i, : len(r)] = torch.as_tensor(lab)
+        mask_BL[i, : len(r)] = 1
+    return ids_BL, mask_BL, labels_BL
+
+
+# ------------------------------------------------------------------------------------------- losses
+
+
+def diffusion_sft_loss(policy: DiffusionPolicy, ids_BL, attention_mask_BL, prompt_length: int,
+                       schedule: MaskingSchedule, generator: torch.Generator) -> torch.Tensor:
+    B, L = ids_BL.shape
+    C = L - prompt_length
+    t_B = schedule.sample_t(B, generator=generator)
+    maskable_BL = torch.zeros_like(ids_BL, dtype=torch.bool)
+    maskable_BL[:, prompt_length:] = True
+    noisy_BL, is_masked_BL = schedule.add_noise(ids_BL, t_B, policy.mask_id, generator=generator, maskable_BL=maskable_BL)
+    logits_BLV = policy.logits(noisy_BL, attention_mask_BL)
+    ce_BL = F.cross_entropy(logits_BLV.float().transpose(1, 2), ids_BL, reduction="none")
+    # Weight 1/p_mask(t): an unbiased estimate of the ELBO's masked-token term (LLaDA Eq. 3/5).
+    weight_B1 = 1.0 / schedule.mask_prob(t_B)[:, None]
+    return (ce_BL * is_masked_BL * weight_B1).sum() / (B * C)
+
+
+def causal_sft_loss(model, ids_BL, attention_mask_BL, labels_BL) -> torch.Tensor:
+    logits_BLV = model(input_ids=ids_BL, attention_mask=attention_mask_BL).logits
+    return F.cross_entropy(logits_BLV[:, :-1].float().transpose(1, 2), labels_BL[:, 1:], ignore_index=-100)
+
+
+# ------------------------------------------------------------------------------------------- the loop
+
+
+def cosine_lr(step: int, total: int, warmup: int, peak: float, floor_ratio: float = 0.1) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * (floor_ratio + (1 - floor_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train_sft(
+    loss_fn: Callable[[list[SFTExample], torch.Generator], torch.Tensor],
+    parameters,
+    examples: Sequence[SFTExample],
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float = 1e-3,
+    warmup: int = 100,
+    weight_decay: float = 0.01,
+    grad_clip: float = 1.0,
+    seed: int = 0,
+    bf16: bool = True,
+    log_every: int = 100,
+    print_fn=print,
+) -> list[dict[str, Any]]:
+    """AdamW with warmup + cosine decay over `steps` minibatches drawn from `examples`; returns the log."""
+    require(steps > 0 and batch_size > 0, f"steps and batch_size must be positive, got {steps}, {batch_size}")
+    require(len(examples) >= batch_size, f"need at least batch_size={batch_size} examples, got {len(examples)}")
+    params = [p for p in parameters if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
+    rng = random.Random(seed)
+    generator = torch.Generator().manual_seed(seed)
+    log, running, start = [], [], time.perf_counter()
+    bar = tqdm(range(steps), desc="sft", unit="step", disable=None)
+    for step in bar:
+        for group in optimizer.param_groups:
+            group["lr"] = cosine_lr(step, steps, warmup, lr)
+        batch = rng.sample(list(examples), batch_size) if len(examples) < 4 * batch_size else [
+            examples[rng.randrange(len(examples))] for _ in range(batch_size)]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = loss_fn(batch, generator)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+        optimizer.step()
+        running.append(loss.item())
+        if (step + 1) % log_every == 0 or step + 1 == steps:
+            entry = {"step": step + 1, "loss": sum(running) / len(running), "lr": optimizer.param_groups[0]["lr"],
+                     "seconds": round(time.perf_counter() - start, 1)}
+            log.append(entry)
+            running = []
+            bar.set_postfix(loss=f"{entry['loss']:.4f}")
+            print_fn(f"sft step {entry['step']}/{steps} loss {entry['loss']:.4f} lr {entry['lr']:.2e} {entry['seconds']}s")
+    return log
+
+
+def run_sft(task: Task, *, model: str, kind: str = "auto", output_dir: str = "runs/sft", examples: int = 5000,
+            with_steps: bool = True, gen_length: int = 64, steps: int = 200, batch_size: int = 32, lr: float = 1e-4,
+            warmup: int = 20, seed: int = 0, bf16: bool = True, print_fn=print) -> list[dict[str, Any]]:
+    """`dllm-rl sft`: fine-tune a local dLLM (masked-diffusion SFT) or causal LM (causal SFT), save it."""
+    from dllm_rl.rollout.generate import load_generator
+
+    loaded = load_generator(model, kind=kind)
+    tokenizer, net = loaded.tokenizer, loaded.model
+    data = solver_examples(task, examples, seed, with_steps=with_steps)
+    if loaded.is_diffusion:
+        schedule = MaskingSchedule()
+        data = drop_overlong(data, tokenizer, gen_length, print_fn)
+
+        def loss_fn(batch, generator):
+            ids, mask, prompt_length = diffusion_batch(tokenizer, batch, gen_length)
+            return diffusion_sft_loss(net, ids, mask, prompt_length, schedule, generator)
+
+        module = net.model
+    else:
+        def loss_fn(batch, generator):
+            ids, mask, labels = causal_batch(tokenizer, batch)
+            return causal_sft_loss(net, ids, mask, labels)
+
+        module = net
+    module.train()
+    log = train_sft(loss_fn, module.parameters(), data, steps=steps, batch_size=batch_size, lr=lr, warmup=warmup,
+                    seed=seed, bf16=bf16, print_fn=print_fn)
+    module.eval()
+    module.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    print_fn(f"saved the fine-tuned model to {output_dir}")
+    return log

@@ -1,0 +1,192 @@
+"""Build the embedded default models in models/: a tiny dLLM policy and a stronger tiny AR external policy.
+
+Both are trained by SFT on exact-solver data of the three procedural tasks (compact prompts; Countdown with
+3 numbers and arithmetic with their step traces, Sudoku answer only), then evaluated on held-out test
+prompts; each directory gets config, tokenizer, safetensors weights, eval.json and a model card (README.md).
+
+The two models use different tokenizers on purpose (character-level for the dLLM, byte-level BPE for the
+AR model), so that external rollouts really cross tokenizers. The dLLM is trained for fewer steps than the
+AR model: it must leave RL headroom, while the AR model plays the stronger external policy.
+
+    python scripts/build_models.py                  # both models, as committed
+    python scripts/build_models.py --only dllm --dllm-steps 300 --eval-prompts 50 --out /tmp/m   # quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+import dllm_rl  # noqa: F401  (registers the native model with the Auto classes)
+from dllm_rl.data import build_task
+from dllm_rl.data.tokenizers import build_bpe_tokenizer, build_char_tokenizer
+from dllm_rl.evaluate import evaluate_task
+from dllm_rl.policy.adapters import wrap_model
+from dllm_rl.policy.modeling import DiffusionLM, DiffusionLMConfig
+from dllm_rl.policy.schedule import MaskingSchedule
+from dllm_rl.rollout.generate import TextGenerator
+from dllm_rl.sft import causal_batch, drop_overlong, causal_sft_loss, diffusion_batch, diffusion_sft_loss, solver_examples, train_sft
+
+# The task settings the embedded models (and the default training run) use.
+TASKS = {
+    "countdown": dict(num_numbers=[3], prompt_style="compact"),
+    "sudoku": dict(prompt_style="compact"),
+    "arithmetic": dict(prompt_style="compact"),
+}
+WITH_STEPS = {"countdown": True, "sudoku": False, "arithmetic": True}
+GEN_LENGTH = 64
+
+
+def sft_data(n_per_task: int, seed: int):
+    data = []
+    for name, kwargs in TASKS.items():
+        data += solver_examples(build_task(name, **kwargs), n_per_task, seed, with_steps=WITH_STEPS[name])
+    return data
+
+
+def evaluate_all(generator: TextGenerator, num_prompts: int, source: str) -> dict:
+    results = {}
+    for name, kwargs in TASKS.items():
+        summary, _ = evaluate_task(generator, build_task(name, **kwargs), num_prompts=num_prompts,
+                                   num_samples=1, batch_size=64, seed=0, split="test", source=source)
+        results[name] = summary
+    return results
+
+
+def model_card(path: Path, title: str, params: int, body: dict, evals: dict, command: str, seconds: float) -> None:
+    rows = "\n".join(f"| {t} | {s['pass@1']:.3f} | {s['format_rate']:.3f} | {s['completion_tokens_mean']:.1f} |"
+                     for t, s in evals.items())
+    text = f"""# {title}
+
+{body['what']}
+
+- Parameters: {params:,}
+- Architecture: {body['arch']}
+- Tokenizer: {body['tokenizer']}
+- Training data: exact-solver completions for the train splits of {', '.join(TASKS)} (compact prompts;
+  Countdown with 3 numbers in 1-99 and a target in 1-100; Sudoku 4x4 with 6-10 blanks; arithmetic with 2-3
+  operands of 1-3 digits); step traces for Countdown and arithmetic, answer only for Sudoku.
+- Training: {body['training']}
+- Built with `{command}` in {seconds / 60:.1f} minutes on {platform.processor() or platform.machine()}
+  ({torch.get_num_threads()} threads, torch {torch.__version__}).
+
+## Accuracy on held-out test prompts (greedy, {GEN_LENGTH}-token window)
+
+| task | pass@1 | format rate | mean completion tokens |
+|---|---|---|---|
+{rows}
+
+Reproduce: `dllm-rl eval model={path.as_posix()} task=<task> num_prompts={evals[next(iter(evals))]['num_prompts']}`
+(with the task settings above: `task.prompt_style=compact`, and `task.num_numbers=[3]` for Countdown).
+"""
+    (path / "README.md").write_text(text)
+
+
+def build_dllm(out: Path, steps: int, n_per_task: int, eval_prompts: int, seed: int, command: str) -> dict:
+    start = time.perf_counter()
+    tokenizer = build_char_tokenizer(model_max_length=256)
+    config = DiffusionLMConfig(vocab_size=len(tokenizer), hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                               max_position_embeddings=256, mask_token_id=tokenizer.mask_token_id,
+                               pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                               bos_token_id=tokenizer.bos_token_id)
+    torch.manual_seed(seed)
+    model = DiffusionLM(config)
+    policy = wrap_model(model, "native", tokenizer)
+    schedule = MaskingSchedule()
+    data = drop_overlong(sft_data(n_per_task, seed), tokenizer, GEN_LENGTH)
+
+    def loss_fn(batch, generator):
+        ids, mask, prompt_length = diffusion_batch(tokenizer, batch, GEN_LENGTH)
+        return diffusion_sft_loss(policy, ids, mask, prompt_length, schedule, generator)
+
+    model.train()
+    log = train_sft(loss_fn, model.parameters(), data, steps=steps, batch_size=64, lr=2e-3, warmup=100, seed=seed)
+    model.eval()
+    generator = TextGenerator(policy, tokenizer, gen_length=GEN_LENGTH, block_length=32, steps=GEN_LENGTH)
+    evals = evaluate_all(generator, eval_prompts, str(out))
+    seconds = time.perf_counter() - start
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    schedule.save_pretrained(out)
+    (out / "eval.json").write_text(json.dumps({"evals": evals, "sft_log": log}, indent=2) + "\n")
+    model_card(out, "tiny-dllm: the embedded masked-diffusion policy", model.num_parameters(), {
+        "what": "A small masked-diffusion LM (dllm-rl's native architecture) trained to be a weak policy "
+                "with room for RL: it solves some, not most, of the tasks.",
+        "arch": "bidirectional transformer, 4 layers, hidden 256, 4 heads, SwiGLU 704, RoPE, RMSNorm",
+        "tokenizer": "character-level (printable ASCII + special tokens), "
+                     f"{len(tokenizer)} ids; pad, mask, eos, bos, unk",
+        "training": f"masked-diffusion SFT (LLaDA loss, linear schedule), {steps} steps x 64 sequences, "
+                    f"AdamW lr 2e-3 cosine, bf16 autocast; {len(data)} examples; gen window {GEN_LENGTH}",
+    }, evals, command, seconds)
+    return evals
+
+
+def build_ar(out: Path, steps: int, n_per_task: int, eval_prompts: int, seed: int, command: str) -> dict:
+    start = time.perf_counter()
+    data = sft_data(n_per_task, seed)
+    tokenizer = build_bpe_tokenizer([e.prompt + e.completion for e in data[:: max(1, len(data) // 5000)]],
+                                    vocab_size=384, model_max_length=256)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+                         tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+
+    def loss_fn(batch, generator):
+        ids, mask, labels = causal_batch(tokenizer, batch)
+        return causal_sft_loss(model, ids, mask, labels)
+
+    model.train()
+    log = train_sft(loss_fn, model.parameters(), data, steps=steps, batch_size=64, lr=2e-3, warmup=100, seed=seed)
+    model.eval()
+    generator = TextGenerator(model, tokenizer, gen_length=GEN_LENGTH)
+    evals = evaluate_all(generator, eval_prompts, str(out))
+    seconds = time.perf_counter() - start
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "eval.json").write_text(json.dumps({"evals": evals, "sft_log": log}, indent=2) + "\n")
+    model_card(out, "tiny-ar: the embedded external autoregressive policy", model.num_parameters(), {
+        "what": "A small Qwen2-architecture causal LM trained on the same solver data for longer: the stronger "
+                "external policy whose rollouts ERILS mixes into the dLLM's RL.",
+        "arch": "transformers Qwen2ForCausalLM, 4 layers, hidden 256, 4 heads, SwiGLU 704, tied embeddings",
+        "tokenizer": f"byte-level BPE trained on the SFT texts, {len(tokenizer)} ids; pad, mask, eos, bos, unk",
+        "training": f"causal-LM SFT on completions, {steps} steps x 64 sequences, AdamW lr 2e-3 cosine, "
+                    f"bf16 autocast; {len(data)} examples",
+    }, evals, command, seconds)
+    return evals
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="models")
+    parser.add_argument("--only", choices=["dllm", "ar"], default=None)
+    parser.add_argument("--dllm-steps", type=int, default=1500)
+    parser.add_argument("--ar-steps", type=int, default=3000)
+    parser.add_argument("--examples-per-task", type=int, default=20000)
+    parser.add_argument("--eval-prompts", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    command = "python " + " ".join(sys.argv)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    results = {}
+    if args.only in (None, "dllm"):
+        results["tiny-dllm"] = build_dllm(Path(args.out) / "tiny-dllm", args.dllm_steps, args.examples_per_task,
+                                          args.eval_prompts, args.seed, command)
+    if args.only in (None, "ar"):
+        results["tiny-ar"] = build_ar(Path(args.out) / "tiny-ar", args.ar_steps, args.examples_per_task,
+                                      args.eval_prompts, args.seed, command)
+    print(json.dumps({m: {t: round(s["pass@1"], 3) for t, s in r.items()} for m, r in results.items()}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""The LLaDA and Dream adapters, against small stand-in checkpoints that follow the interfaces documented in
+`dllm_rl/policy/adapters.py` and load the real way: `trust_remote_code` from a local directory."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModel
+
+from dllm_rl.errors import ConfigError
+from dllm_rl.policy.adapters import load_policy, wrap_model
+
+STANDIN_CODE = '''
+import torch
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutput
+
+
+class StandInConfig(PretrainedConfig):
+    model_type = "MODEL_TYPE"
+
+    def __init__(self, vocab_size=110, hidden_size=16, shifted=False, mask_token_id=None, **kwargs):
+        self.vocab_size, self.hidden_size, self.shifted, self.mask_token_id = vocab_size, hidden_size, shifted, mask_token_id
+        super().__init__(**kwargs)
+
+
+class StandInModel(PreTrainedModel):
+    """Bidirectional mixing of token + position embeddings. LLaDA-like: 2-D key mask, absolute positions.
+    Dream-like (shifted=True): a 4-D boolean mask or "full", explicit position ids, and logits[:, i]
+    predicting token i + 1."""
+
+    config_class = StandInConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.pos = nn.Embedding(64, config.hidden_size)
+        self.mix = nn.Linear(config.hidden_size, config.hidden_size)
+        self.head = nn.Linear(config.hidden_size, config.vocab_size)
+        self.post_init()
+
+    def _init_weights(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.5)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, **kwargs):
+        B, L = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(L).expand(B, L)
+        h = self.embed(input_ids) + self.pos(position_ids)
+        if attention_mask is None or isinstance(attention_mask, str):
+            pair = torch.ones(B, L, L, dtype=torch.bool)
+        elif attention_mask.dim() == 2:
+            pair = attention_mask.bool()[:, None, :].expand(B, L, L)
+        else:
+            pair = attention_mask.bool()[:, 0]
+        w = pair.float()
+        ctx = (w @ h) / w.sum(-1, keepdim=True).clamp(min=1)
+        logits = self.head(torch.tanh(self.mix(ctx) + h))
+        if self.config.shifted:
+            logits = torch.cat([logits[:, 1:], logits[:, :1]], 1)
+        return CausalLMOutput(logits=logits)
+'''
+
+
+def write_standin(path, model_type, char_tokenizer, shifted, mask_in_config=True):
+    path.mkdir()
+    (path / "standin.py").write_text(STANDIN_CODE.replace("MODEL_TYPE", model_type))
+    config = {
+        "model_type": model_type,
+        "auto_map": {"AutoConfig": "standin.StandInConfig", "AutoModel": "standin.StandInModel"},
+        "vocab_size": len(char_tokenizer), "hidden_size": 16, "shifted": shifted,
+        "mask_token_id": char_tokenizer.mask_token_id if mask_in_config else None,
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    char_tokenizer.save_pretrained(path)
+    # Weights: initialise once through the remote class and save them next to the code.
+    torch.manual_seed(0)
+    model = AutoModel.from_config(AutoConfig.from_pretrained(path, trust_remote_code=True), trust_remote_code=True)
+    model.save_pretrained(path)
+    return path
+
+
+def unshifted_reference(policy, ids, **kwargs):
+    """The stand-in's own logits with its shift turned off: what an aligned adapter must return."""
+    policy.model.config.shifted = False
+    try:
+        return policy.model(input_ids=ids, **kwargs).logits
+    finally:
+        policy.model.config.shifted = True
+
+
+def test_llada_adapter_passes_logits_through(tmp_path, char_tokenizer):
+    policy, tokenizer = load_policy(str(write_standin(tmp_path / "llada", "llada", char_tokenizer, False)))
+    assert policy.kind == "llada" and not policy.shifted
+    assert policy.mask_id == char_tokenizer.mask_token_id
+    ids = torch.randint(5, 100, (2, 10))
+    torch.testing.assert_close(policy.logits(ids), policy.model(input_ids=ids).logits)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    torch.testing.assert_close(policy.logits(ids, mask), policy.model(input_ids=ids, attention_mask=mask).logits)
+
+
+def test_dream_adapter_unshifts_and_passes_positions(tmp_path, char_tokenizer):
+    policy, _ = load_policy(str(write_standin(tmp_path / "dream", "Dream", char_tokenizer, True)))
+    assert policy.kind == "dream" and policy.shifted
+    ids = torch.randint(5, 100, (2, 10))
+    aligned = policy.logits(ids)
+    # Position 0 is always a prompt token; from 1 on, row i is the model's prediction for token i.
+    torch.testing.assert_close(aligned[:, 1:], unshifted_reference(policy, ids)[:, 1:])
+    # With left padding the adapter builds Dream's 4-D mask and real-token positions, so a row's logits
+    # at real positions do not depend on its padding.
+    padded = torch.cat([torch.zeros(2, 4, dtype=torch.long), ids], 1)
+    mask = torch.cat([torch.zeros(2, 4, dtype=torch.long), torch.ones_like(ids)], 1)
+    torch.testing.assert_close(policy.logits(padded, mask)[:, 5:], aligned[:, 1:], rtol=1e-5, atol=1e-5)
+
+
+def test_mask_id_from_the_tokenizer_when_the_config_has_none(tmp_path, char_tokenizer):
+    path = write_standin(tmp_path / "llada", "llada", char_tokenizer, False, mask_in_config=False)
+    policy, _ = load_policy(str(path))
+    assert policy.mask_id == char_tokenizer.mask_token_id
+
+
+def test_native_wrap_and_bad_inputs(tiny_policy, tmp_path):
+    assert tiny_policy.kind == "native" and not tiny_policy.shifted
+    ids = torch.randint(5, 100, (1, 6))
+    torch.testing.assert_close(tiny_policy.logits(ids), tiny_policy.model(ids).logits)
+    with pytest.raises(ConfigError, match="unknown policy kind 'lada'"):
+        wrap_model(tiny_policy.model, "lada")
+    with pytest.raises(ConfigError, match="expected a local model directory"):
+        load_policy(str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match="unknown dtype 'float16'"):
+        tiny_policy.model.save_pretrained(tmp_path / "m")
+        load_policy(str(tmp_path / "m"), dtype="float16")
