@@ -12,6 +12,8 @@ package (an editable install from a clone).
 
 from __future__ import annotations
 
+import copy
+import json
 import os
 import re
 import sys
@@ -74,12 +76,23 @@ def run_sft(cfg: dict[str, Any]) -> None:
     sft(task, **cfg)
 
 
+def run_train(cfg: dict[str, Any]) -> None:
+    from dllm_rl.data import build_task
+    from dllm_rl.train import train
+
+    config = copy.deepcopy(cfg)
+    task = build_task(**cfg.pop("task"))
+    check_kwargs(train, cfg, "")
+    train(task, config=config, **cfg)
+
+
 # name -> (what it does, config file, runner taking the resolved config as plain dicts)
 COMMANDS: dict[str, tuple[str, str, Callable[[dict[str, Any]], None]]] = {
     "tasks": ("print examples of a task and check its rewards and solver", "tasks", run_tasks),
     "generate": ("sample completions for a prompt from a local model", "generate", run_generate),
     "eval": ("pass@k, best-of-k, format rate and length of a model on a task", "eval", run_eval),
     "sft": ("fine-tune a dLLM or causal LM on a task's solver data", "sft", run_sft),
+    "train": ("GRPO on a masked-diffusion policy (resume=<run dir> continues a run)", "train", run_train),
 }
 
 
@@ -134,6 +147,30 @@ def compose_config(config_name: str, overrides: list[str]) -> DictConfig:
             raise ConfigError(message.replace("\n\n", "\n").replace("\t", "  ")) from None
 
 
+def resumed_config(run_dir: str, overrides: list[str]) -> DictConfig:
+    """The config a run was started with (its config.json), with plain key=value overrides applied."""
+    saved = Path(run_dir) / "config.json"
+    if not saved.is_file():
+        raise ConfigError(f"resume={run_dir!r}: no config.json there (expected a run directory made by dllm-rl train)")
+    cfg = OmegaConf.create(json.loads(saved.read_text()))
+    OmegaConf.set_struct(cfg, True)
+    for override in overrides:
+        key, sep, value = override.partition("=")
+        if not sep or key.startswith(("+", "~")) or key in ("task", "rollout", "likelihood", "algo"):
+            raise ConfigError(f"when resuming, only key=value overrides of existing keys are allowed, got {override!r}")
+        try:
+            OmegaConf.update(cfg, key, yaml_value(value), merge=True)
+        except OmegaConfBaseException:
+            keys = _all_keys(cfg)
+            raise ConfigError(f"unknown config key {key!r}{did_you_mean(key, keys)}") from None
+    cfg.resume = run_dir
+    return cfg
+
+
+def yaml_value(text: str) -> Any:
+    return OmegaConf.create({"v": text}).v if text == "" else OmegaConf.create(f"v: {text}").v
+
+
 def to_plain(cfg: DictConfig) -> dict[str, Any]:
     try:
         return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
@@ -172,7 +209,12 @@ def main(argv: list[str] | None = None) -> int:
         if "--help" in flags:
             print(command_help(args[0]))
             return 0
-        cfg = compose_config(config_name, [a for a in args[1:] if not a.startswith("--")])
+        overrides = [a for a in args[1:] if not a.startswith("--")]
+        resume = [o.split("=", 1)[1] for o in overrides if o.startswith("resume=")]
+        if resume and resume[-1] not in ("", "null"):
+            cfg = resumed_config(resume[-1], [o for o in overrides if not o.startswith("resume=")])
+        else:
+            cfg = compose_config(config_name, overrides)
         if "--cfg" in flags:
             print(OmegaConf.to_yaml(cfg, resolve=True), end="")
             return 0

@@ -1,0 +1,203 @@
+"""GRPO's policy loss, as pure functions of per-token log-probs: clipped surrogate, KL, aggregation.
+
+    ratio_NC = exp(logp_NC - old_logp_NC)
+    loss_NC  = -min(ratio * A_n, clip(ratio, 1 - eps_low, 1 + eps_high) * A_n) + beta * KL_NC(pi || ref)
+    loss     = aggregate(loss_NC, mask_NC, "token" | "sequence" | "constant")
+
+- Clipped surrogate: PPO (Schulman et al., arXiv 1707.06347) with one advantage per rollout broadcast over its
+  tokens, as in GRPO (DeepSeekMath, arXiv 2402.03300); eps_high > eps_low is DAPO's "clip-higher" (arXiv 2503.14476).
+- KL to a reference policy: the per-token estimators k1, k2, k3 of Schulman's note "Approximating KL divergence"
+  (2020). GRPO and d1 (arXiv 2504.12216) add k3 to the loss with beta = 0.04; Dr.GRPO and DAPO use beta = 0.
+- Aggregation: per token (DAPO), per sequence then over sequences (original GRPO), or a constant divisor
+  (Dr.GRPO, arXiv 2503.20783), which removes GRPO's bias towards short correct and long wrong answers.
+
+For a dLLM the log-probs come from a likelihood estimator (`dllm_rl/likelihood/`), not from an autoregressive
+factorisation; nothing here depends on that. Sequence-level log-probs work too: pass logp_N1 and mask_N1 and the
+ratio, the clipping and the KL become per sequence.
+
+Departures: the log ratio is clamped to [-20, 20] before exp (as verl does), so one corrupt old log-prob cannot
+make an inf ratio; this changes the loss only where ratio > e^20 with a negative advantage. Ignored tokens
+(mask 0) have their log-probs set to 0 before any arithmetic, see `grpo_loss`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from dllm_rl.errors import pick, require
+
+_MAX_LOG_RATIO = 20.0
+
+
+def _shape(t: torch.Tensor | None) -> tuple[int, ...] | None:
+    return None if t is None else tuple(t.shape)
+
+
+def _check_per_token(logp_NC: torch.Tensor, **others: torch.Tensor | None) -> None:
+    require(logp_NC.dim() == 2, f"logp_NC has shape {_shape(logp_NC)}; expected 2-D (N rollouts, C tokens)")
+    for name, t in others.items():
+        require(t is None or t.shape == logp_NC.shape,
+                f"{name} has shape {_shape(t)}; expected {_shape(logp_NC)}, the shape of logp_NC")
+
+
+def _check_per_row(logp_NC: torch.Tensor, **others: torch.Tensor | None) -> None:
+    for name, t in others.items():
+        require(t is None or _shape(t) == (logp_NC.shape[0],),
+                f"{name} has shape {_shape(t)}; expected ({logp_NC.shape[0]},), one value per row of "
+                f"logp_NC {_shape(logp_NC)}")
+
+
+def ratio_and_log_ratio(logp_NC: torch.Tensor, old_logp_NC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ratio_NC, log_ratio_NC) of the current to the old policy; the old log-probs are constants (detached)."""
+    log_ratio_NC = logp_NC - old_logp_NC.detach()
+    ratio_NC = torch.exp(log_ratio_NC.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    return ratio_NC, log_ratio_NC
+
+
+def clipped_surrogate(
+    logp_NC: torch.Tensor, old_logp_NC: torch.Tensor, adv_N: torch.Tensor, eps_low: float, eps_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped objective per token, as a loss: -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A).
+
+    Returns (loss_NC, clipped_NC). `clipped_NC` is True where the clipped term is strictly the smaller one: there
+    the ratio has left [1 - eps_low, 1 + eps_high] in the direction the advantage pushes it, and the token's
+    gradient is zero. (Outside the range in the other direction the unclipped term wins and the gradient flows.)
+    """
+    require(0 < eps_low < 1, f"eps_low={eps_low!r}: expected 0 < eps_low < 1")
+    require(eps_high > 0, f"eps_high={eps_high!r}: expected eps_high > 0")
+    _check_per_token(logp_NC, old_logp_NC=old_logp_NC)
+    _check_per_row(logp_NC, adv_N=adv_N)
+    ratio_NC, _ = ratio_and_log_ratio(logp_NC, old_logp_NC)
+    adv_N1 = adv_N.detach().to(ratio_NC.dtype).unsqueeze(1)
+    unclipped_NC = ratio_NC * adv_N1
+    clipped_term_NC = ratio_NC.clamp(1.0 - eps_low, 1.0 + eps_high) * adv_N1
+    return -torch.minimum(unclipped_NC, clipped_term_NC), clipped_term_NC < unclipped_NC
+
+
+# KL(pi || ref) per token from a sample of pi (Schulman 2020). In the loss they are differentiated through
+# logp with the samples held fixed, as GRPO does; only k3's value is an unbiased, low-variance, >= 0 estimate.
+def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k1 = log pi - log ref: unbiased, high variance, negative on some samples."""
+    return logp - ref_logp.detach()
+
+
+def kl_k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k2 = (log pi - log ref)^2 / 2: >= 0, low variance, biased (exact to second order)."""
+    return 0.5 * (logp - ref_logp.detach()).pow(2)
+
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k3 = ref/pi - log(ref/pi) - 1 = exp(ref_logp - logp) - (ref_logp - logp) - 1: unbiased and >= 0.
+
+    The estimator of GRPO (arXiv 2402.03300, eq. 4) and d1. exp overflows float32 past a log gap of ~88,
+    which sequence-level log-probs can reach; use k1 or k2 there.
+    """
+    log_ref_over_pi = ref_logp.detach() - logp
+    return torch.exp(log_ref_over_pi) - log_ref_over_pi - 1.0
+
+
+KL_FNS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+
+
+# Each takes a loss already zeroed where the mask is 0, the 0/1 mask and the constant (used by "constant" only).
+def _token_mean(loss_NC: torch.Tensor, mask_NC: torch.Tensor, constant: float | None) -> torch.Tensor:
+    return loss_NC.sum() / mask_NC.sum().clamp(min=1.0)
+
+
+def _sequence_mean(loss_NC: torch.Tensor, mask_NC: torch.Tensor, constant: float | None) -> torch.Tensor:
+    count_N = mask_NC.sum(dim=1)
+    per_row_N = loss_NC.sum(dim=1) / count_N.clamp(min=1.0)
+    return per_row_N.sum() / (count_N > 0).sum().clamp(min=1)
+
+
+def _constant_sum(loss_NC: torch.Tensor, mask_NC: torch.Tensor, constant: float | None) -> torch.Tensor:
+    require(constant is not None and constant > 0,
+            f"constant={constant!r}: the 'constant' aggregation needs a positive number (Dr.GRPO: the max "
+            f"completion length)")
+    return loss_NC.sum() / (loss_NC.shape[0] * constant)
+
+
+AGGREGATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, float | None], torch.Tensor]] = {
+    "token": _token_mean,
+    "sequence": _sequence_mean,
+    "constant": _constant_sum,
+}
+
+
+def aggregate(loss_NC: torch.Tensor, mask_NC: torch.Tensor, how: str, constant: float | None = None) -> torch.Tensor:
+    """A per-token loss as a scalar; `mask_NC` is 1 (or True) where a token counts, 0 elsewhere.
+
+    - "token":    sum(loss * mask) / sum(mask). DAPO: every token weighs the same, long answers weigh more.
+    - "sequence": mean over rows of sum_t(loss * mask) / sum_t(mask), the original GRPO. Rows with no counted
+                  token are left out of the mean (they have no length to divide by); all rows empty -> 0.
+    - "constant": sum(loss * mask) / (N * constant). Dr.GRPO with constant = the max completion length.
+    `constant` is read by "constant" only. An all-zero mask gives 0, never NaN.
+    """
+    fn = pick(AGGREGATIONS, how, "loss aggregation")
+    _check_per_token(loss_NC, mask_NC=mask_NC)
+    # where, not multiplication: NaN or inf at an ignored token would survive `* 0`.
+    masked_NC = torch.where(mask_NC != 0, loss_NC, torch.zeros_like(loss_NC))
+    return fn(masked_NC, mask_NC.to(loss_NC.dtype), constant)
+
+
+def grpo_loss(
+    logp_NC: torch.Tensor,
+    old_logp_NC: torch.Tensor,
+    ref_logp_NC: torch.Tensor | None,
+    adv_N: torch.Tensor,
+    mask_NC: torch.Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.2,
+    beta: float = 0.0,
+    kl: str = "k3",
+    aggregation: str = "token",
+    constant: float | None = None,
+    weights_N: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GRPO's loss (arXiv 2402.03300): clipped surrogate + beta * KL per token, times a per-row weight, aggregated.
+
+    `adv_N` is one advantage per rollout (from `dllm_rl/algo/advantages.py`, flattened). `weights_N` (optional,
+    treated as constants) scales each rollout's loss: importance weights for off-policy rollouts or loss weights.
+    The KL term needs `ref_logp_NC` when beta > 0 and is skipped when beta == 0. Works as well on sequence-level
+    log-probs, logp_N1 with mask_N1. Returns (loss, metrics); loss == loss/policy + beta * loss/kl.
+    """
+    kl_fn = pick(KL_FNS, kl, "KL estimator")
+    pick(AGGREGATIONS, aggregation, "loss aggregation")
+    require(beta >= 0, f"beta={beta!r}: expected a KL coefficient >= 0")
+    require(beta == 0 or ref_logp_NC is not None,
+            f"beta={beta!r} adds a KL penalty, which needs ref_logp_NC (reference log-probs); got None")
+    _check_per_token(logp_NC, old_logp_NC=old_logp_NC, ref_logp_NC=ref_logp_NC, mask_NC=mask_NC)
+    _check_per_row(logp_NC, adv_N=adv_N, weights_N=weights_N)
+
+    # Padding log-probs may be -inf; (-inf) - (-inf) is NaN, and NaN reaches the gradient even through a
+    # where() downstream. Zeroing them first makes ignored tokens inert in the forward and the backward.
+    is_counted_NC = mask_NC != 0
+    logp_NC, old_logp_NC = (torch.where(is_counted_NC, t, torch.zeros_like(t)) for t in (logp_NC, old_logp_NC))
+    use_kl = beta > 0
+    if ref_logp_NC is not None:
+        ref_logp_NC = torch.where(is_counted_NC, ref_logp_NC, torch.zeros_like(ref_logp_NC))
+
+    policy_NC, clipped_NC = clipped_surrogate(logp_NC, old_logp_NC, adv_N, eps_low, eps_high)
+    kl_NC = kl_fn(logp_NC, ref_logp_NC) if use_kl else torch.zeros_like(policy_NC)
+    if weights_N is not None:
+        weight_N1 = weights_N.detach().to(policy_NC.dtype).unsqueeze(1)
+        policy_NC, kl_NC = policy_NC * weight_N1, kl_NC * weight_N1
+    loss = aggregate(policy_NC + beta * kl_NC, mask_NC, aggregation, constant)
+
+    with torch.no_grad():
+        ratio_NC, _ = ratio_and_log_ratio(logp_NC, old_logp_NC)
+        mask_f_NC = mask_NC.to(ratio_NC.dtype)
+        num_counted = mask_f_NC.sum().clamp(min=1.0)
+        values = torch.stack([
+            aggregate(policy_NC, mask_NC, aggregation, constant),
+            aggregate(kl_NC, mask_NC, aggregation, constant),
+            (clipped_NC & is_counted_NC).sum() / num_counted,
+            (ratio_NC * mask_f_NC).sum() / num_counted,
+            torch.where(is_counted_NC, ratio_NC, torch.zeros_like(ratio_NC)).max(),
+            adv_N.detach().to(ratio_NC.dtype).mean(),
+        ]).tolist()  # one device sync for all metrics
+    keys = ["loss/policy", "loss/kl", "policy/clip_frac", "policy/ratio_mean", "policy/ratio_max", "policy/adv_mean"]
+    return loss, dict(zip(keys, values))

@@ -1,0 +1,1 @@
+"""Likelihood estimators for masked-diffusion policies (see `estimators.py`)."""

@@ -1,0 +1,157 @@
+"""Estimators of log pi_theta(y | x) for a masked-diffusion policy, per completion token.
+
+A dLLM has no tractable sequence likelihood; RL on it needs a proxy, and its cost in forward passes sets
+the speed of training. Each estimator takes the full sequences (left-padded prompt of length P, then the
+completion window of C tokens), returns `logp_NC` (float32, one value per completion token, prompt
+positions never included) and draws its masks from one seed per row, so the old policy, the reference and
+every inner iteration can be scored under exactly the same masks (DESIGN: mask seeds travel with the
+rollout). Cost is in forward passes per row:
+
+| name           | paper                                   | forwards  | level    |
+|----------------|-----------------------------------------|-----------|----------|
+| mean_field     | d1 / diffu-GRPO (arXiv 2504.12216)      | 1         | token    |
+| elbo           | LLaDA ELBO, VRPO (arXiv 2505.19223)     | M         | sequence |
+| coupled        | DiffuCoder coupled-GRPO (2506.20639)    | 2M        | sequence |
+| ordered        | TraceRL (arXiv 2509.06949)              | S / group | token    |
+| left_to_right  | ordered, one position per step          | C / group | token    |
+
+- mean_field: every completion token masked, each prompt token masked with probability
+  `prompt_mask_prob` (d1 uses 0.15); one forward; log p of each clean completion token.
+- elbo: M masks with t_m from antithetic (stratified) sampling; token i contributes
+  mean_m [masked_im / t_m * log p(y_i | masked sequence)]: its sum over tokens is the unbiased Monte-Carlo
+  estimate of LLaDA's ELBO (Eq. 3 of arXiv 2502.09992), a lower bound on log p(y | x).
+- coupled: M pairs of complementary masks (mask_a with rate t, mask_b = not mask_a, rate 1 - t), weights
+  1/t and 1/(1 - t); every token is scored exactly once per pair, which lowers the variance.
+- ordered: the probability of the tokens in the order they were unmasked: at step s, the tokens unmasked
+  before s are revealed and the rest masked, and the tokens of step s are scored. With one token per step
+  this is exactly log of the probability of generating y along that order. `group` consecutive steps share
+  one forward (their tokens are scored from the state before the group), bounding the cost.
+
+"level" says how the trainer forms the importance ratio: per token (d1) or per sequence from the summed
+values (ELBO-based methods), since a per-token ratio of a 1/t-weighted Monte-Carlo term is meaningless.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from dllm_rl.errors import pick, require
+from dllm_rl.policy.adapters import DiffusionPolicy
+
+
+def _token_logp(policy: DiffusionPolicy, input_BL, attention_mask_BL, targets_BC, P: int) -> torch.Tensor:
+    logits_BCV = policy.logits(input_BL, attention_mask_BL)[:, P:]
+    return -F.cross_entropy(logits_BCV.float().transpose(1, 2), targets_BC, reduction="none")
+
+
+def _generators(seeds_N: Sequence[int]) -> list[torch.Generator]:
+    return [torch.Generator().manual_seed(int(s)) for s in seeds_N]
+
+
+def antithetic_t(generator: torch.Generator, num: int, eps: float) -> torch.Tensor:
+    """`num` times in [eps, 1] from one uniform offset and evenly spaced strata (low-variance sampling)."""
+    u0 = torch.rand(1, generator=generator, dtype=torch.float64)
+    u_M = (u0 + torch.arange(num, dtype=torch.float64) / num) % 1.0
+    return eps + (1.0 - eps) * u_M
+
+
+# Every estimator takes the same runtime arguments (seeds_N, order_NC) so the trainer can call any of them;
+# its own options come from its config and are checked by name.
+
+
+def mean_field(policy, ids_NL, attention_mask_NL, prompt_length: int, *, seeds_N, order_NC=None,
+               prompt_mask_prob: float = 0.15) -> torch.Tensor:
+    P = prompt_length
+    noisy_NL = ids_NL.clone()
+    noisy_NL[:, P:] = policy.mask_id
+    prompt_real_NP = attention_mask_NL[:, :P].bool()
+    u_NP = torch.stack([torch.rand(P, generator=g) for g in _generators(seeds_N)])
+    noisy_NL[:, :P] = ids_NL[:, :P].masked_fill((u_NP < prompt_mask_prob) & prompt_real_NP, policy.mask_id)
+    return _token_logp(policy, noisy_NL, attention_mask_NL, ids_NL[:, P:], P)
+
+
+def _masked_passes(policy, ids_NL, attention_mask_NL, P: int, masks_NMC, weights_NMC) -> torch.Tensor:
+    """Average over M passes of weight * log p(token) on masked completion tokens -> (N, C)."""
+    N, M, C = masks_NMC.shape
+    rep_NL = ids_NL.repeat_interleave(M, 0)
+    noisy_NL = rep_NL.clone()
+    noisy_NL[:, P:] = rep_NL[:, P:].masked_fill(masks_NMC.reshape(N * M, C), policy.mask_id)
+    logp_NC = _token_logp(policy, noisy_NL, attention_mask_NL.repeat_interleave(M, 0), rep_NL[:, P:], P)
+    return (logp_NC.view(N, M, C) * masks_NMC * weights_NMC).mean(1)
+
+
+def elbo(policy, ids_NL, attention_mask_NL, prompt_length: int, *, seeds_N, order_NC=None, num_masks: int = 4,
+         eps: float = 1e-3) -> torch.Tensor:
+    require(num_masks >= 1, f"num_masks must be >= 1, got {num_masks}")
+    C = ids_NL.shape[1] - prompt_length
+    masks, weights = [], []
+    for g in _generators(seeds_N):
+        t_M1 = antithetic_t(g, num_masks, eps)[:, None]
+        masks.append(torch.rand((num_masks, C), generator=g, dtype=torch.float64) < t_M1)
+        weights.append((1.0 / t_M1).expand(num_masks, C))
+    return _masked_passes(policy, ids_NL, attention_mask_NL, prompt_length,
+                          torch.stack(masks), torch.stack(weights).float())
+
+
+def coupled(policy, ids_NL, attention_mask_NL, prompt_length: int, *, seeds_N, order_NC=None, num_masks: int = 1,
+            eps: float = 1e-3) -> torch.Tensor:
+    require(num_masks >= 1, f"num_masks must be >= 1, got {num_masks}")
+    C = ids_NL.shape[1] - prompt_length
+    masks, weights = [], []
+    for g in _generators(seeds_N):
+        t_M1 = antithetic_t(g, num_masks, eps)[:, None].clamp(max=1.0 - eps)
+        mask_a = torch.rand((num_masks, C), generator=g, dtype=torch.float64) < t_M1
+        masks.append(torch.cat([mask_a, ~mask_a]))
+        weights.append(torch.cat([(1.0 / t_M1).expand(num_masks, C), (1.0 / (1.0 - t_M1)).expand(num_masks, C)]))
+    return _masked_passes(policy, ids_NL, attention_mask_NL, prompt_length,
+                          torch.stack(masks), torch.stack(weights).float())
+
+
+def ordered(policy, ids_NL, attention_mask_NL, prompt_length: int, *, order_NC: torch.Tensor | None = None, seeds_N=None,
+            group: int = 1) -> torch.Tensor:
+    """`order_NC[n, i]` is the step at which completion token i was unmasked (ties share a step)."""
+    require(group >= 1, f"group must be >= 1, got {group}")
+    require(order_NC is not None, "the ordered estimator needs the unmask step of every completion token")
+    P = prompt_length
+    N, C = order_NC.shape
+    require(ids_NL.shape[1] - P == C, f"order_NC has {C} columns but the completion window has {ids_NL.shape[1] - P}")
+    require(bool((order_NC >= 0).all()), "order_NC has negative steps: every completion token needs an unmask step")
+    logp_NC = torch.zeros((N, C), dtype=torch.float32, device=ids_NL.device)
+    num_groups = math.ceil((int(order_NC.max()) + 1) / group)
+    for j in range(num_groups):
+        lo, hi = j * group, (j + 1) * group
+        scored_NC = (order_NC >= lo) & (order_NC < hi)
+        if not scored_NC.any():
+            continue
+        noisy_NL = ids_NL.clone()
+        noisy_NL[:, P:] = ids_NL[:, P:].masked_fill(order_NC >= lo, policy.mask_id)
+        step_logp_NC = _token_logp(policy, noisy_NL, attention_mask_NL, ids_NL[:, P:], P)
+        logp_NC = torch.where(scored_NC, step_logp_NC, logp_NC)
+    return logp_NC
+
+
+def left_to_right(policy, ids_NL, attention_mask_NL, prompt_length: int, *, seeds_N=None, order_NC=None,
+                  group: int = 1) -> torch.Tensor:
+    N, C = ids_NL.shape[0], ids_NL.shape[1] - prompt_length
+    order_NC = torch.arange(C, device=ids_NL.device).expand(N, C)
+    return ordered(policy, ids_NL, attention_mask_NL, prompt_length, order_NC=order_NC, group=group)
+
+
+# name -> (function, ratio level, needs the rollout's denoising trajectory)
+ESTIMATORS: dict[str, tuple[Callable[..., torch.Tensor], str, bool]] = {
+    "mean_field": (mean_field, "token", False),
+    "elbo": (elbo, "sequence", False),
+    "coupled": (coupled, "sequence", False),
+    "ordered": (ordered, "token", True),
+    "left_to_right": (left_to_right, "token", False),
+}
+
+
+def estimate_logp(name: str, policy, ids_NL, attention_mask_NL, prompt_length: int, **kwargs) -> torch.Tensor:
+    """logp_NC from the estimator called `name` (see ESTIMATORS); kwargs are its options."""
+    fn, _, _ = pick(ESTIMATORS, name, "likelihood estimator")
+    return fn(policy, ids_NL, attention_mask_NL, prompt_length, **kwargs)

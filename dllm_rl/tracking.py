@@ -1,0 +1,69 @@
+"""Where a run's numbers go: one readable console line per step, metrics.jsonl, TensorBoard, samples.jsonl.
+
+Metric keys are namespaced (`reward/mean`, `loss/policy`, `perf/rollout_s`, ...). Only rank 0 writes;
+other ranks get a tracker that does nothing, so the loop never asks which rank it is on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+# The console line: (metric key, label, format); missing keys are skipped.
+CONSOLE_FIELDS = [
+    ("reward/mean", "reward", "{:.3f}"), ("reward/accuracy", "acc", "{:.3f}"), ("loss/kl", "kl", "{:.4f}"),
+    ("policy/clip_frac", "clip", "{:.3f}"), ("rollout/len", "len", "{:.1f}"), ("eval/pass@1", "eval", "{:.3f}"),
+    ("perf/rollout_s", "roll", "{:.1f}s"), ("perf/score_s", "score", "{:.1f}s"), ("perf/update_s", "upd", "{:.1f}s"),
+]
+
+
+def console_line(step: int, total: int, metrics: dict[str, float]) -> str:
+    parts = [f"step {step}/{total}"]
+    for key, label, fmt in CONSOLE_FIELDS:
+        if key in metrics and isinstance(metrics[key], (int, float)) and math.isfinite(metrics[key]):
+            parts.append(f"{label} {fmt.format(metrics[key])}")
+    return " | ".join(parts)
+
+
+class Tracker:
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self._writer is not None:
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self._writer.add_scalar(key, value, step)
+            self._writer.flush()
+
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        with open(self.run_dir / "samples.jsonl", "a") as f:
+            for row in rows:
+                f.write(json.dumps({"step": step, **row}) + "\n")
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+
+class NullTracker(Tracker):
+    """What non-zero ranks get: every call does nothing."""
+
+    def __init__(self, *args, **kwargs):
+        self._writer = None
+
+    def log(self, step, metrics):
+        pass
+
+    def samples(self, step, rows):
+        pass

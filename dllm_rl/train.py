@@ -1,0 +1,300 @@
+"""`dllm-rl train`: GRPO for a masked-diffusion policy, readable top to bottom.
+
+One step: draw B prompts -> G denoising rollouts each (per-row seeds) -> verifiable rewards -> group
+advantages -> old and reference log-probs under stored mask seeds -> mu inner iterations over minibatches
+of the clipped surrogate (+ beta * KL) -> optimizer steps. This is diffu-GRPO (d1, arXiv 2504.12216) with
+the estimator, advantage, KL and loss aggregation chosen by name from the tables in
+`dllm_rl.likelihood.estimators` and `dllm_rl.algo`.
+
+How it departs from d1:
+- every random draw (rollout noise, estimator masks, prompt order) is a function of (seed, step, row), so
+  a resumed run repeats the uninterrupted one exactly;
+- with one inner iteration and one minibatch, the old log-probs are the current ones detached (the ratio is
+  exactly 1; this saves one scoring pass), as in d1's own implementation;
+- a step whose groups all have zero reward variance (no learning signal) skips the update instead of
+  letting weight decay move the weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import random
+import re
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+from transformers import AutoModel
+
+from dllm_rl.algo.advantages import ADVANTAGE_FNS, compute_advantages
+from dllm_rl.algo.losses import grpo_loss
+from dllm_rl.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
+from dllm_rl.data.task import Example, Task, render_prompt
+from dllm_rl.errors import ConfigError, check_kwargs, pick, require
+from dllm_rl.evaluate import evaluate_task
+from dllm_rl.likelihood.estimators import ESTIMATORS, estimate_logp
+from dllm_rl.policy.adapters import load_policy, wrap_model
+from dllm_rl.rollout.generate import TextGenerator
+from dllm_rl.rollout.sampler import completion_texts
+from dllm_rl.tracking import NullTracker, Tracker, console_line
+
+
+def derive_seed(*parts: Any) -> int:
+    """A 63-bit seed from any parts, stable across processes (unlike Python's hash())."""
+    return int.from_bytes(hashlib.blake2b("|".join(map(str, parts)).encode(), digest_size=8).digest(), "big") >> 1
+
+
+class PromptStream:
+    """Train prompts in a fresh seeded order every epoch; `position` (prompts consumed) is all its state."""
+
+    def __init__(self, examples: list[Example], seed: int, position: int = 0):
+        require(examples, "the task's train split is empty")
+        self.examples, self.seed, self.position = examples, seed, position
+
+    def next(self, count: int) -> list[Example]:
+        out = []
+        for _ in range(count):
+            epoch, index = divmod(self.position, len(self.examples))
+            order = list(range(len(self.examples)))
+            random.Random(f"{self.seed}|epoch{epoch}").shuffle(order)
+            out.append(self.examples[order[index]])
+            self.position += 1
+        return out
+
+
+def completion_mask(completion_NC: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """1 on completion tokens up to and including the first EOS (the EOS fill after it does not count)."""
+    is_eos_NC = completion_NC == eos_id
+    after_first_NC = (is_eos_NC.long().cumsum(-1) - is_eos_NC.long()) > 0
+    return (~after_first_NC).float()
+
+
+def check_train_args(group_size: int, prompts_per_step: int, inner_iterations: int, minibatch_size: int,
+                     steps: int, lr: float, likelihood: dict, algo: dict) -> None:
+    require(group_size >= 2, f"group_size must be >= 2 (advantages compare rollouts of a prompt), got {group_size}")
+    require(prompts_per_step >= 1, f"prompts_per_step must be >= 1, got {prompts_per_step}")
+    require(inner_iterations >= 1, f"inner_iterations must be >= 1, got {inner_iterations}")
+    require(minibatch_size >= 1, f"minibatch_size must be >= 1, got {minibatch_size}")
+    require(steps >= 1, f"steps must be >= 1, got {steps}")
+    require(lr > 0, f"lr must be > 0, got {lr}")
+    require(likelihood.get("name") in ESTIMATORS,
+            f"likelihood.name must be one of {sorted(ESTIMATORS)}, got {likelihood.get('name')!r}")
+    require(algo.get("eps_low", 1) > 0, f"algo.eps_low must be > 0, got {algo.get('eps_low')}")
+    require(algo.get("eps_high", 1) > 0, f"algo.eps_high must be > 0, got {algo.get('eps_high')}")
+    require(algo.get("beta", 0) >= 0, f"algo.beta must be >= 0, got {algo.get('beta')}")
+
+
+def lr_lambda(schedule: str, warmup: int, total: int):
+    if schedule == "constant":
+        return lambda step: min(1.0, (step + 1) / max(1, warmup))
+    if schedule == "cosine":
+        return lambda step: min(1.0, (step + 1) / max(1, warmup)) * 0.5 * (1 + math.cos(math.pi * min(1.0, step / total)))
+    raise ConfigError(f"lr_schedule must be 'constant' or 'cosine', got {schedule!r}")
+
+
+def score_rollouts(policy, likelihood: dict, ids_NL, attention_mask_NL, P, seeds_N, order_NC, mask_NC):
+    """(logp, mask) at the ratio level of the estimator: per token (N, C), or per sequence (N, 1)."""
+    options = {k: v for k, v in likelihood.items() if k != "name"}
+    logp_NC = estimate_logp(likelihood["name"], policy, ids_NL, attention_mask_NL, P, seeds_N=seeds_N,
+                            order_NC=order_NC, **options)
+    if ESTIMATORS[likelihood["name"]][1] == "sequence":
+        return (logp_NC * mask_NC).sum(-1, keepdim=True), torch.ones_like(mask_NC[:, :1])
+    return logp_NC, mask_NC
+
+
+def train(
+    task: Task,
+    *,
+    model: str,
+    rollout: dict[str, Any],
+    likelihood: dict[str, Any],
+    algo: dict[str, Any],
+    run_dir: str | None = None,
+    resume: str | None = None,
+    steps: int = 30,
+    prompts_per_step: int = 8,
+    group_size: int = 6,
+    inner_iterations: int = 1,
+    minibatch_size: int = 48,
+    lr: float = 5e-5,
+    lr_schedule: str = "constant",
+    warmup: int = 0,
+    weight_decay: float = 0.0,
+    grad_clip: float = 1.0,
+    bf16: bool = True,
+    seed: int = 0,
+    train_pool: int = 5000,
+    eval_every: int = 10,
+    eval_prompts: int = 64,
+    checkpoint_every: int = 10,
+    keep_checkpoints: int = 2,
+    sample_every: int = 5,
+    ref_sync_every: int = 0,
+    max_bad_steps: int = 5,
+    tensorboard: bool = True,
+    config: dict[str, Any] | None = None,
+    print_fn=tqdm.write,
+) -> dict[str, float]:
+    """Run GRPO on `task` from the dLLM at `model`; returns the last step's metrics."""
+    check_train_args(group_size, prompts_per_step, inner_iterations, minibatch_size, steps, lr, likelihood, algo)
+    advantage = algo.get("advantage", "mean")
+    pick(ADVANTAGE_FNS, advantage, "algo.advantage")
+    loss_options = {k: v for k, v in algo.items() if k not in ("name", "advantage")}
+    check_kwargs(grpo_loss, loss_options, "algo")
+    check_kwargs(ESTIMATORS[likelihood["name"]][0], {k: v for k, v in likelihood.items() if k != "name"}, "likelihood")
+    run_dir = Path(resume or run_dir or time.strftime(f"runs/{task.name}-%Y%m%d-%H%M%S"))
+    tracker = Tracker(run_dir, tensorboard=tensorboard)
+    checkpoint = latest_checkpoint(run_dir) if resume else None
+    require(resume is None or checkpoint is not None, f"resume={resume!r}: no complete checkpoint in {run_dir}/checkpoints")
+
+    # ---- model, reference, optimizer
+    policy, tokenizer = load_policy(model)
+    reference = None
+    if loss_options.get("beta", 0.0) > 0:  # the frozen starting policy (synced every ref_sync_every steps)
+        reference = wrap_model(copy.deepcopy(policy.model).requires_grad_(False), policy.kind, tokenizer)
+    if checkpoint is not None:
+        policy = wrap_model(AutoModel.from_pretrained(checkpoint), policy.kind, tokenizer)
+    net = policy.model.train()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(lr_schedule, warmup, steps))
+    state = {"step": 0, "data_position": 0, "bad_steps": 0}
+    if checkpoint is not None:
+        state = load_trainer_state(checkpoint, optimizer, scheduler)
+        if reference is not None and "reference" in state:
+            reference.model.load_state_dict(state.pop("reference"))
+        print_fn(f"resumed from {checkpoint} at step {state['step']}")
+    elif config is not None:
+        (run_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    prompts = PromptStream(task.examples("train", train_pool, seed), seed, state["data_position"])
+    sampler_settings = {k: v for k, v in rollout.items() if k != "name"}
+    generator = TextGenerator(policy, tokenizer, **sampler_settings)
+    greedy = TextGenerator(policy, tokenizer, **{**sampler_settings, "temperature": 0.0})
+    eos_id, N = policy.eos_id, prompts_per_step * group_size
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+
+    def evaluate(step: int) -> dict[str, float]:
+        net.eval()
+        with autocast:
+            summary, _ = evaluate_task(greedy, task, num_prompts=eval_prompts, batch_size=64, seed=seed,
+                                       tokenizer=tokenizer, print_fn=lambda *_: None)
+        net.train()
+        return {"eval/pass@1": summary["pass@1"], "eval/reward": summary["reward_mean"],
+                "eval/format_rate": summary["format_rate"]}
+
+    if state["step"] == 0 and eval_every > 0:
+        before = evaluate(0)
+        tracker.log(0, before)
+        print_fn(console_line(0, steps, before))
+
+    metrics: dict[str, float] = {}
+    bar = tqdm(range(state["step"], steps), initial=state["step"], total=steps, desc="train", unit="step", disable=None)
+    for step in bar:
+        t0 = time.perf_counter()
+        # ---- 1. prompts and rollouts
+        examples = prompts.next(prompts_per_step)
+        texts = [render_prompt(task.prompt(ex), tokenizer) for ex in examples for _ in range(group_size)]
+        rollout_seeds = [derive_seed(seed, "rollout", step, n) for n in range(N)]
+        net.eval()
+        with autocast:
+            samples = generator.sample(texts, rollout_seeds)
+        net.train()
+        ids_NL, attention_mask_NL, P = samples.sequences_BL, samples.attention_mask_BL, samples.prompt_length
+        completions = completion_texts(tokenizer, samples.completion_BC, eos_id)
+        t1 = time.perf_counter()
+
+        # ---- 2. rewards and advantages
+        rewards = [task.reward(text, examples[n // group_size]) for n, text in enumerate(completions)]
+        rewards_BG = torch.tensor([r.score for r in rewards], dtype=torch.float32).view(prompts_per_step, group_size)
+        adv_N = compute_advantages(rewards_BG, advantage).reshape(N)
+        mask_NC = completion_mask(samples.completion_BC, eos_id)
+        order_NC = samples.unmask_step_BC
+
+        # ---- 3. old and reference log-probs under the stored mask seeds
+        mask_seeds = [[derive_seed(seed, "mask", step, it, n) for n in range(N)] for it in range(inner_iterations)]
+        reuse_current = inner_iterations == 1 and minibatch_size >= N
+        old, ref = [None] * inner_iterations, [None] * inner_iterations
+        with torch.no_grad(), autocast:
+            for it in range(inner_iterations):
+                if not reuse_current:
+                    old[it] = score_rollouts(policy, likelihood, ids_NL, attention_mask_NL, P, mask_seeds[it], order_NC, mask_NC)[0]
+                if reference is not None:
+                    ref[it] = score_rollouts(reference, likelihood, ids_NL, attention_mask_NL, P, mask_seeds[it], order_NC, mask_NC)[0]
+        t2 = time.perf_counter()
+
+        # ---- 4. mu inner iterations of minibatch updates
+        informative = bool((adv_N != 0).any())
+        loss_metrics: list[dict[str, float]] = []
+        updates = 0
+        for it in range(inner_iterations) if informative else []:
+            order = torch.randperm(N, generator=torch.Generator().manual_seed(derive_seed(seed, "minibatch", step, it)))
+            for lo in range(0, N, minibatch_size):
+                rows = order[lo : lo + minibatch_size]
+                seeds_mb = [mask_seeds[it][int(r)] for r in rows]
+                with autocast:
+                    logp, level_mask = score_rollouts(policy, likelihood, ids_NL[rows], attention_mask_NL[rows], P,
+                                                      seeds_mb, order_NC[rows], mask_NC[rows])
+                old_logp = logp.detach() if reuse_current else old[it][rows]
+                ref_logp = ref[it][rows] if reference is not None else None
+                loss, lm = grpo_loss(logp.float(), old_logp.float(), None if ref_logp is None else ref_logp.float(),
+                                     adv_N[rows], level_mask, **loss_options)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(net.parameters(), grad_clip)
+                if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
+                    state["bad_steps"] += 1
+                    warnings.warn(f"step {step}: non-finite loss or gradient; update skipped "
+                                  f"({state['bad_steps']} in a row)")
+                    optimizer.zero_grad(set_to_none=True)
+                    if state["bad_steps"] >= max_bad_steps:
+                        raise RuntimeError(f"stopping: {state['bad_steps']} non-finite updates in a row "
+                                           f"(max_bad_steps={max_bad_steps})")
+                    continue
+                state["bad_steps"] = 0
+                optimizer.step()
+                updates += 1
+                loss_metrics.append({**lm, "policy/grad_norm": float(grad_norm)})
+        with warnings.catch_warnings():  # a step without an update still advances the schedule, on purpose
+            warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
+            scheduler.step()
+        if reference is not None and ref_sync_every > 0 and (step + 1) % ref_sync_every == 0:
+            reference.model.load_state_dict(net.state_dict())
+        t3 = time.perf_counter()
+
+        # ---- 5. metrics, samples, evaluation, checkpoint
+        lengths = mask_NC.sum(-1)
+        metrics = {
+            "reward/mean": float(rewards_BG.mean()),
+            "reward/accuracy": sum(r.correct for r in rewards) / N,
+            "reward/format": sum(r.formatted for r in rewards) / N,
+            "reward/zero_std_groups": float((rewards_BG.std(-1) == 0).float().mean()),
+            "rollout/len": float(lengths.mean()),
+            "policy/updates": float(updates),
+            "policy/lr": scheduler.get_last_lr()[0],
+            "perf/rollout_s": t1 - t0, "perf/score_s": t2 - t1, "perf/update_s": t3 - t2,
+            "perf/tokens_per_s": float(lengths.sum()) / max(t1 - t0, 1e-9),
+        }
+        for key in loss_metrics[0] if loss_metrics else []:
+            metrics[key] = sum(m[key] for m in loss_metrics) / len(loss_metrics)
+        state.update(step=step + 1, data_position=prompts.position)
+        if eval_every > 0 and ((step + 1) % eval_every == 0 or step + 1 == steps):
+            metrics.update(evaluate(step + 1))
+        tracker.log(step + 1, metrics)
+        if sample_every > 0 and (step % sample_every == 0 or step + 1 == steps):
+            tracker.samples(step + 1, [{"prompt": texts[n], "completion": completions[n], "reward": rewards[n].score,
+                                        "reason": rewards[n].reason} for n in range(0, N, group_size)])
+        print_fn(console_line(step + 1, steps, metrics))
+        if checkpoint_every > 0 and ((step + 1) % checkpoint_every == 0 or step + 1 == steps):
+            saved = dict(state)
+            if reference is not None and ref_sync_every > 0:
+                saved["reference"] = reference.model.state_dict()
+            save_checkpoint(run_dir, step + 1, net, optimizer, scheduler, saved, keep_last=keep_checkpoints)
+    bar.close()
+    tracker.close()
+    return metrics

@@ -1,0 +1,148 @@
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dllm_rl.errors import ConfigError
+from dllm_rl.likelihood.estimators import ESTIMATORS, antithetic_t, estimate_logp
+
+
+def tiny_sequence(char_tokenizer, completion="12a", prompt="x+"):
+    ids = char_tokenizer(prompt + completion, add_special_tokens=False)["input_ids"]
+    ids_NL = torch.tensor([[char_tokenizer.pad_token_id] + ids])  # one pad on the left
+    mask_NL = torch.ones_like(ids_NL)
+    mask_NL[0, 0] = 0
+    return ids_NL, mask_NL, 1 + len(prompt)
+
+
+@torch.no_grad()
+def exact_elbo(policy, ids_NL, mask_NL, P, eps):
+    """Sum over every non-empty subset S of masked completion positions of
+    w(|S|) * sum_{i in S} log p(y_i | y with S masked), w(k) = E_t[t^(k-1) (1-t)^(C-k)], t ~ U[eps, 1]."""
+    C = ids_NL.shape[1] - P
+    t = torch.linspace(eps, 1.0, 200_001, dtype=torch.float64)
+    total = 0.0
+    for k in range(1, C + 1):
+        w = torch.trapezoid(t ** (k - 1) * (1 - t) ** (C - k), t).item() / (1 - eps)
+        for subset in itertools.combinations(range(C), k):
+            noisy = ids_NL.clone()
+            noisy[0, [P + i for i in subset]] = 1  # mask id of the char tokenizer
+            logp = -F.cross_entropy(policy.logits(noisy, mask_NL)[0, P:].float(), ids_NL[0, P:], reduction="none")
+            total += w * sum(logp[i].item() for i in subset)
+    return total
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, num_masks", [("elbo", 20_000), ("coupled", 10_000)])
+def test_monte_carlo_elbo_matches_enumeration(tiny_policy, char_tokenizer, name, num_masks):
+    assert tiny_policy.mask_id == 1
+    ids_NL, mask_NL, P = tiny_sequence(char_tokenizer)
+    eps = 0.05
+    exact = exact_elbo(tiny_policy, ids_NL, mask_NL, P, eps)
+    with torch.no_grad():
+        estimate = estimate_logp(name, tiny_policy, ids_NL, mask_NL, P, seeds_N=[0], num_masks=num_masks, eps=eps)
+    assert estimate.shape == (1, 3)
+    assert estimate.sum().item() == pytest.approx(exact, rel=0.02)
+
+
+def test_ordered_equals_brute_force_generation_probability(tiny_policy, char_tokenizer):
+    ids_NL, mask_NL, P = tiny_sequence(char_tokenizer, completion="7+4=11")
+    C = ids_NL.shape[1] - P
+    order = torch.randperm(C, generator=torch.Generator().manual_seed(0))
+    order_NC = torch.empty(1, C, dtype=torch.long)
+    order_NC[0, order] = torch.arange(C)  # position order[s] is unmasked at step s
+    with torch.no_grad():
+        ours = estimate_logp("ordered", tiny_policy, ids_NL, mask_NL, P, order_NC=order_NC)
+        # Brute force: walk the order, revealing one token at a time from an all-masked window.
+        x = ids_NL.clone()
+        x[0, P:] = tiny_policy.mask_id
+        total = 0.0
+        for s in range(C):
+            i = int(order[s])
+            probs = tiny_policy.logits(x, mask_NL)[0, P + i].float().softmax(-1)
+            total += torch.log(probs[ids_NL[0, P + i]]).item()
+            x[0, P + i] = ids_NL[0, P + i]
+    assert ours.sum().item() == pytest.approx(total, abs=1e-4)
+
+
+def test_grouped_steps_share_one_state(tiny_policy, char_tokenizer):
+    ids_NL, mask_NL, P = tiny_sequence(char_tokenizer, completion="abcd")
+    with torch.no_grad():
+        grouped = estimate_logp("left_to_right", tiny_policy, ids_NL, mask_NL, P, group=2)
+        # Steps {0,1} are scored from the all-masked window, steps {2,3} with positions 0,1 revealed.
+        x = ids_NL.clone()
+        x[0, P:] = 1
+        first = -F.cross_entropy(tiny_policy.logits(x, mask_NL)[0, P:].float(), ids_NL[0, P:], reduction="none")
+        x[0, P:P + 2] = ids_NL[0, P:P + 2]
+        second = -F.cross_entropy(tiny_policy.logits(x, mask_NL)[0, P:].float(), ids_NL[0, P:], reduction="none")
+    torch.testing.assert_close(grouped[0], torch.cat([first[:2], second[2:]]))
+
+
+class Spy:
+    """A policy wrapper that records every input it is called with."""
+
+    def __init__(self, policy):
+        self.policy, self.mask_id, self.inputs = policy, policy.mask_id, []
+
+    def logits(self, ids, mask=None):
+        self.inputs.append(ids.clone())
+        return self.policy.logits(ids, mask)
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_seeds_masks_and_prompt_handling(tiny_policy, char_tokenizer, name):
+    ids_NL, mask_NL, P = tiny_sequence(char_tokenizer, completion="3*5+7")
+    ids_NL, mask_NL = ids_NL.repeat(2, 1), mask_NL.repeat(2, 1)
+    C = ids_NL.shape[1] - P
+    order_NC = torch.arange(C).flip(0).expand(2, C)
+    kwargs = dict(seeds_N=[5, 6], order_NC=order_NC)
+    spy = Spy(tiny_policy)
+    with torch.no_grad():
+        a = estimate_logp(name, spy, ids_NL, mask_NL, P, **kwargs)
+        b = estimate_logp(name, tiny_policy, ids_NL, mask_NL, P, **kwargs)
+    assert a.shape == (2, C) and torch.isfinite(a).all()
+    assert torch.equal(a, b)  # same seeds, same estimate, bit for bit
+    for x in spy.inputs:
+        assert (x[:, 0] == char_tokenizer.pad_token_id).all()  # padding untouched
+        if name != "mean_field":  # only d1's estimator masks prompt tokens (on purpose)
+            assert (x[:, :P] == ids_NL[0, :P]).all()  # rows of ids_NL are identical here
+    if name in ("mean_field", "elbo", "coupled"):
+        other = estimate_logp(name, tiny_policy, ids_NL, mask_NL, P, seeds_N=[7, 8], order_NC=order_NC)
+        assert not torch.equal(a, other)
+
+
+def test_old_and_current_logp_agree_before_an_update(tiny_policy, char_tokenizer):
+    ids_NL, mask_NL, P = tiny_sequence(char_tokenizer, completion="3*5+7")
+    with torch.no_grad():
+        old = estimate_logp("mean_field", tiny_policy, ids_NL, mask_NL, P, seeds_N=[3])
+    current = estimate_logp("mean_field", tiny_policy, ids_NL, mask_NL, P, seeds_N=[3])
+    assert current.requires_grad
+    assert torch.equal(torch.exp(current - old), torch.ones_like(old))  # ratio exactly 1
+
+
+def test_mean_field_masks_the_prompt_at_the_given_rate(tiny_policy, char_tokenizer):
+    ids = torch.randint(5, 100, (400, 30))
+    mask = torch.ones_like(ids)
+    spy = Spy(tiny_policy)
+    with torch.no_grad():
+        estimate_logp("mean_field", spy, ids, mask, 25, seeds_N=range(400), prompt_mask_prob=0.15)
+    x = spy.inputs[0]
+    assert (x[:, 25:] == 1).all()
+    assert abs((x[:, :25] == 1).float().mean().item() - 0.15) < 0.01
+
+
+def test_antithetic_times_are_stratified():
+    t = antithetic_t(torch.Generator().manual_seed(0), 4, eps=0.0)
+    u = torch.sort(t).values
+    torch.testing.assert_close(u.diff(), torch.full((3,), 0.25, dtype=torch.float64))
+
+
+def test_bad_names_and_options(tiny_policy, char_tokenizer):
+    ids_NL, mask_NL, P = tiny_sequence(char_tokenizer)
+    with pytest.raises(ConfigError, match="unknown likelihood estimator 'elb'"):
+        estimate_logp("elb", tiny_policy, ids_NL, mask_NL, P, seeds_N=[0])
+    with pytest.raises(ConfigError, match="num_masks must be >= 1"):
+        estimate_logp("elbo", tiny_policy, ids_NL, mask_NL, P, seeds_N=[0], num_masks=0)
+    with pytest.raises(ConfigError, match="needs the unmask step"):
+        estimate_logp("ordered", tiny_policy, ids_NL, mask_NL, P, seeds_N=[0])

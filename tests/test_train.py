@@ -1,0 +1,184 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dllm_rl import cli, train as train_module
+from dllm_rl.checkpoint import latest_checkpoint
+from dllm_rl.data import build_task
+from dllm_rl.data.task import Example, Reward
+from dllm_rl.errors import ConfigError
+from dllm_rl.train import completion_mask, train
+
+SMALL = dict(
+    rollout={"gen_length": 16, "block_length": 8, "steps": 8, "temperature": 1.0},
+    likelihood={"name": "mean_field"},
+    algo={"advantage": "mean", "eps_low": 0.2, "eps_high": 0.2, "beta": 0.0},
+    prompts_per_step=2, group_size=4, minibatch_size=8, eval_every=0, sample_every=1, tensorboard=False,
+    lr=1e-3, print_fn=lambda *_: None,
+)
+
+
+@dataclass(frozen=True)
+class CountDigits:
+    """Arithmetic prompts with a dense reward an untrained model can earn: the share of digits in its output."""
+
+    name = "count_digits"
+    prompt_style = "compact"
+
+    def examples(self, split, n, seed):
+        return build_task("arithmetic").examples(split, n, seed)
+
+    def prompt(self, ex: Example) -> str:
+        return build_task("arithmetic").prompt(ex)
+
+    def reward(self, completion: str, ex: Example) -> Reward:
+        share = sum(c.isdigit() for c in completion) / max(1, len(completion))
+        return Reward(share, share > 0.2, False, "ok")
+
+    def solve(self, ex):
+        return None
+
+
+@pytest.fixture
+def saved_model(tiny_policy, char_tokenizer, tmp_path):
+    path = tmp_path / "model"
+    tiny_policy.model.save_pretrained(path)
+    char_tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def weights(path) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(path) / "model.safetensors"))
+
+
+def test_completion_mask_counts_up_to_the_first_eos():
+    completion = torch.tensor([[5, 6, 2, 2, 2], [5, 6, 7, 8, 9], [2, 2, 2, 2, 2]])
+    assert completion_mask(completion, eos_id=2).tolist() == [[1, 1, 1, 0, 0], [1] * 5, [1, 0, 0, 0, 0]]
+
+
+@pytest.mark.parametrize("likelihood, inner", [({"name": "mean_field"}, 1), ({"name": "elbo", "num_masks": 2}, 2),
+                                               ({"name": "ordered", "group": 4}, 1)])
+def test_end_to_end_parameters_change_and_metrics_are_finite(saved_model, tmp_path, likelihood, inner):
+    run = tmp_path / "run"
+    metrics = train(CountDigits(), model=saved_model, run_dir=str(run), steps=2, inner_iterations=inner,
+                    **{**SMALL, "likelihood": likelihood, "algo": {**SMALL["algo"], "beta": 0.04}})
+    before, after = weights(saved_model), weights(latest_checkpoint(run))
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert metrics["policy/updates"] == inner
+    lines = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [l["step"] for l in lines] == [1, 2]
+    for line in lines:
+        assert all(v == v and abs(v) != float("inf") for v in line.values() if isinstance(v, float))
+        assert 0.0 < line["reward/mean"] < 1.0 and "loss/kl" in line and "policy/clip_frac" in line
+    assert (run / "samples.jsonl").read_text().count("\n") == 2 * 2  # one sample per prompt and step
+
+
+def test_four_steps_equal_two_plus_resume_plus_two(saved_model, tmp_path):
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    train(CountDigits(), model=saved_model, run_dir=str(straight), steps=4, checkpoint_every=2, **SMALL)
+    train(CountDigits(), model=saved_model, run_dir=str(split), steps=2, checkpoint_every=2, **SMALL)
+    train(CountDigits(), model=saved_model, resume=str(split), steps=4, checkpoint_every=2, **SMALL)
+    a, b = weights(latest_checkpoint(straight)), weights(latest_checkpoint(split))
+    assert all(torch.equal(a[k], b[k]) for k in a)  # bitwise
+    rewards = [[json.loads(l)["reward/mean"] for l in (run / "metrics.jsonl").read_text().splitlines()]
+               for run in (straight, split)]
+    assert rewards[0] == rewards[1] and len(rewards[0]) == 4
+    ta = torch.load(latest_checkpoint(straight) / "trainer_state.pt", weights_only=False)
+    tb = torch.load(latest_checkpoint(split) / "trainer_state.pt", weights_only=False)
+    assert ta["state"] == tb["state"] and ta["state"]["step"] == 4
+    for k, v in ta["optimizer"]["state"][0].items():
+        assert torch.equal(v, tb["optimizer"]["state"][0][k])
+
+
+CRASH = """
+import os, signal, sys
+import torch
+import dllm_rl.checkpoint as ckpt
+from dllm_rl.data import build_task
+from dllm_rl.train import train
+real_save = torch.save
+def dying_save(obj, path, *a, **k):
+    if obj["state"]["step"] == 4:  # the second checkpoint: write half a file, then die
+        open(path, "wb").write(b"partial")
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_save(obj, path, *a, **k)
+ckpt.torch.save = dying_save
+train(build_task("arithmetic"), model=sys.argv[1], run_dir=sys.argv[2], steps=6, checkpoint_every=2,
+      rollout={"gen_length": 16, "block_length": 8, "steps": 8}, likelihood={"name": "mean_field"}, algo={},
+      prompts_per_step=2, group_size=2, minibatch_size=4, eval_every=0, tensorboard=False)
+"""
+
+
+@pytest.mark.slow
+def test_killed_during_a_checkpoint_write_resumes_from_the_last_complete_one(saved_model, tmp_path):
+    run = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-c", CRASH, saved_model, str(run)], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
+    assert latest_checkpoint(run).name == "step_000002"  # the half-written step 4 is ignored
+    assert any(p.name.startswith(".tmp_step_000004") for p in (run / "checkpoints").iterdir())
+    train(build_task("arithmetic"), model=saved_model, resume=str(run), steps=6, checkpoint_every=2,
+          rollout={"gen_length": 16, "block_length": 8, "steps": 8}, likelihood={"name": "mean_field"}, algo={},
+          prompts_per_step=2, group_size=2, minibatch_size=4, eval_every=0, tensorboard=False,
+          print_fn=lambda *_: None)
+    assert latest_checkpoint(run).name == "step_000006"
+    steps = [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 3, 4, 5, 6]  # steps 3-4 ran again after the crash
+
+
+def test_zero_variance_steps_complete_without_an_update(saved_model, tmp_path):
+    # An untrained model never answers arithmetic correctly: every group's rewards are all 0.
+    metrics = train(build_task("arithmetic"), model=saved_model, run_dir=str(tmp_path / "run"), steps=2, **SMALL)
+    assert metrics["reward/zero_std_groups"] == 1.0 and metrics["policy/updates"] == 0.0
+    before, after = weights(saved_model), weights(latest_checkpoint(tmp_path / "run"))
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_non_finite_losses_skip_updates_then_stop(saved_model, tmp_path, monkeypatch):
+    real = train_module.grpo_loss
+
+    def nan_loss(*args, **kwargs):
+        loss, metrics = real(*args, **kwargs)
+        return loss * float("nan"), metrics
+
+    monkeypatch.setattr(train_module, "grpo_loss", nan_loss)
+    with pytest.warns(UserWarning, match="non-finite loss or gradient; update skipped"):
+        with pytest.raises(RuntimeError, match="stopping: 2 non-finite updates in a row"):
+            train(CountDigits(), model=saved_model, run_dir=str(tmp_path / "run"), steps=4, max_bad_steps=2, **SMALL)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("group_size=-1", "group_size must be >= 2"),
+        ("algo.eps_low=0", "algo.eps_low must be > 0, got 0"),
+        ("likelihood.name=elbow", "likelihood.name must be one of"),
+        ("algo.advantage=median", "unknown algo.advantage 'median'"),
+        ("+likelihood.num_maks=3", "unknown config key 'likelihood.num_maks'"),
+        ("lr_schedule=linear", "lr_schedule must be 'constant' or 'cosine', got 'linear'"),
+    ],
+)
+def test_bad_train_config_fails_at_start(saved_model, tmp_path, override, message, capsys):
+    assert cli.main(["train", f"model={saved_model}", f"run_dir={tmp_path / 'run'}", override]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_resume_through_the_cli_reuses_the_saved_config(saved_model, tmp_path, capsys):
+    run = tmp_path / "run"
+    base = [f"model={saved_model}", f"run_dir={run}", "task=arithmetic", "prompts_per_step=2", "group_size=2",
+            "minibatch_size=4", "rollout.gen_length=16", "rollout.block_length=8", "rollout.steps=8", "eval_every=0",
+            "tensorboard=false"]
+    assert cli.main(["train", *base, "steps=1"]) == 0
+    assert cli.main(["train", f"resume={run}", "steps=2"]) == 0
+    assert latest_checkpoint(run).name == "step_000002"
+    assert cli.main(["train", f"resume={run}", "task=sudoku"]) == 2
+    assert "only key=value overrides" in capsys.readouterr().err
+    assert cli.main(["train", f"resume={tmp_path / 'nothing'}"]) == 2
