@@ -1,6 +1,7 @@
 """Checkpoints that survive being killed mid-write, and finding the last complete one.
 
-A checkpoint is a directory `checkpoints/step_NNNNNN/` holding the model (`save_pretrained`, safetensors),
+A checkpoint is a directory `checkpoints/step_NNNNNN/` holding the model and its tokenizer (a model
+directory that `dllm-rl eval model=...` loads),
 `trainer_state.pt` (optimizer, LR schedule, RNG states, and the loop's own state: step, data position,
 counters) and a `COMPLETE` marker written last. It is assembled under a temporary name and renamed into
 place (an atomic rename on POSIX), then `checkpoints/latest` is rewritten the same way. A run killed at any
@@ -29,7 +30,7 @@ def _atomic_write(path: Path, text: str) -> None:
 
 
 def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler, state: dict[str, Any],
-                    keep_last: int = 2) -> Path:
+                    keep_last: int = 2, tokenizer=None) -> Path:
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
@@ -37,6 +38,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler,
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     model.save_pretrained(tmp)
+    if tokenizer is not None:  # so that a checkpoint is a model directory `dllm-rl eval` can load
+        tokenizer.save_pretrained(tmp)
     torch.save({
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),

@@ -294,7 +294,8 @@ def train(
             saved = dict(state)
             if reference is not None and ref_sync_every > 0:
                 saved["reference"] = reference.model.state_dict()
-            save_checkpoint(run_dir, step + 1, net, optimizer, scheduler, saved, keep_last=keep_checkpoints)
+            save_checkpoint(run_dir, step + 1, net, optimizer, scheduler, saved, keep_last=keep_checkpoints,
+                            tokenizer=tokenizer)
     bar.close()
     tracker.close()
     return metrics

@@ -50,6 +50,20 @@ def test_diffusion_loss_equals_a_slow_reference(tiny_policy, char_tokenizer):
     torch.testing.assert_close(loss.item(), total / (2 * 8), rtol=1e-5, atol=1e-6)
 
 
+def test_masked_mean_weighting_is_the_mean_ce_over_masked_tokens(tiny_policy, char_tokenizer):
+    ids, mask, P = diffusion_batch(char_tokenizer, [SFTExample("ab\n", "12"), SFTExample("a\n", "345")], 8)
+    schedule = MaskingSchedule()
+    loss = diffusion_sft_loss(tiny_policy, ids, mask, P, schedule, torch.Generator().manual_seed(3), "masked_mean")
+    g = torch.Generator().manual_seed(3)
+    t = schedule.sample_t(2, generator=g)
+    noisy, masked = schedule.add_noise(ids, t, tiny_policy.mask_id, generator=g,
+                                       maskable_BL=torch.arange(ids.shape[1]) >= P)
+    ce = F.cross_entropy(tiny_policy.logits(noisy, mask).float().transpose(1, 2), ids, reduction="none")
+    torch.testing.assert_close(loss, ce[masked].mean())
+    with pytest.raises(ValueError, match="weighting must be 'elbo' or 'masked_mean', got 'uniform'"):
+        diffusion_sft_loss(tiny_policy, ids, mask, P, schedule, torch.Generator(), "uniform")
+
+
 @pytest.mark.slow
 def test_sft_loss_falls_for_both_model_kinds(char_tokenizer, make_dllm):
     data = solver_examples(build_task("arithmetic", digits=1, num_operands=2), 60, 0)

@@ -79,6 +79,9 @@ def test_end_to_end_parameters_change_and_metrics_are_finite(saved_model, tmp_pa
         assert all(v == v and abs(v) != float("inf") for v in line.values() if isinstance(v, float))
         assert 0.0 < line["reward/mean"] < 1.0 and "loss/kl" in line and "policy/clip_frac" in line
     assert (run / "samples.jsonl").read_text().count("\n") == 2 * 2  # one sample per prompt and step
+    # A checkpoint is a model directory the evaluator loads.
+    assert cli.main(["eval", f"model={latest_checkpoint(run)}", "num_prompts=2", "rollout.gen_length=16",
+                     "rollout.block_length=8", "rollout.steps=8", f"output_dir={tmp_path / 'eval'}"]) == 0
 
 
 def test_four_steps_equal_two_plus_resume_plus_two(saved_model, tmp_path):

@@ -146,7 +146,7 @@ def solve_steps(puzzle: str) -> tuple[str, tuple[str, ...]] | None:
 @dataclass(frozen=True)
 class Sudoku:
     name = "sudoku"
-    blanks: tuple[int, int] = (6, 10)
+    blanks: tuple[int, int] = (8, 12)
     partial_credit: bool = False
     test_fraction: float = 0.1
     prompt_style: str = "compact"

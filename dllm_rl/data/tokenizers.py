@@ -13,6 +13,7 @@ be attached; prompts then go through it (`dllm_rl.data.task.render_prompt`).
 
 from __future__ import annotations
 
+import json
 import string
 from pathlib import Path
 from typing import Iterable
@@ -92,9 +93,23 @@ def unknown_characters(tokenizer: PreTrainedTokenizerFast, text: str) -> list[st
     ]
 
 
-def load_tokenizer(path: str | None, key: str = "tokenizer"):
-    """A tokenizer from a local directory (never a hub id), or None for no path."""
+GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def load_tokenizer(path: str | None, key: str = "tokenizer", trust_remote_code: bool = False):
+    """A tokenizer from a local directory (never a hub id), or None for no path.
+
+    Trap: transformers 5's AutoTokenizer picks the tokenizer class from config.json's model_type when the
+    directory also holds a model, and a model-specific class (Qwen2Tokenizer for a Qwen2 model) rebuilds
+    its own pre-tokenizer instead of the one in tokenizer.json. A tokenizer saved from a generic fast
+    tokenizer (ours) is therefore loaded with the generic class, so it splits text exactly as in training.
+    """
     if path is None:
         return None
-    require(Path(path).expanduser().is_dir(), f"{key}={path!r}: expected a local tokenizer directory")
-    return AutoTokenizer.from_pretrained(str(Path(path).expanduser()))
+    directory = Path(path).expanduser()
+    require(directory.is_dir(), f"{key}={path!r}: expected a local tokenizer directory")
+    config = directory / "tokenizer_config.json"
+    saved_class = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    if saved_class in GENERIC_CLASSES:
+        return PreTrainedTokenizerFast.from_pretrained(str(directory))
+    return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=trust_remote_code)

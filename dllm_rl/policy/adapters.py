@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from transformers import AutoConfig, AutoModel, AutoTokenizer
+from transformers import AutoConfig, AutoModel
 
+from dllm_rl.data.tokenizers import load_tokenizer
 from dllm_rl.errors import ConfigError, pick, require
 
 
@@ -122,5 +123,5 @@ def load_policy(path: str, kind: str = "auto", dtype: str = "float32", device: s
     pick(LOGITS_FNS, kind, "policy kind")
     remote = kind != "native"
     model = AutoModel.from_pretrained(path, trust_remote_code=remote, dtype=torch_dtype).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=remote)
+    tokenizer = load_tokenizer(path, "model", trust_remote_code=remote)
     return wrap_model(model, kind, tokenizer), tokenizer

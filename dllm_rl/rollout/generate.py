@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from dllm_rl.data.tokenizers import load_tokenizer
 
 from dllm_rl.errors import pick, require
 from dllm_rl.policy.adapters import DTYPES, MODEL_TYPES, DiffusionPolicy, load_policy
@@ -75,7 +77,7 @@ def load_generator(path: str, kind: str = "auto", dtype: str = "float32", **sett
     require(Path(path).expanduser().is_dir(), f"model={path!r}: expected a local model directory")
     if kind == "causal" or (kind == "auto" and not is_diffusion_checkpoint(path)):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=pick(DTYPES, dtype, "dtype")).eval()
-        return TextGenerator(model, AutoTokenizer.from_pretrained(path), **settings)
+        return TextGenerator(model, load_tokenizer(path, "model"), **settings)
     policy, tokenizer = load_policy(path, kind=kind, dtype=dtype)
     return TextGenerator(policy, tokenizer, **settings)
 

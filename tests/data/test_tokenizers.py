@@ -58,3 +58,14 @@ def test_bad_arguments_are_named(tmp_path):
         build_bpe_tokenizer(["x"], vocab_size=10)
     with pytest.raises(ConfigError, match="expected a local tokenizer directory"):
         load_tokenizer(str(tmp_path / "nope"))
+
+
+def test_a_tokenizer_saved_beside_a_qwen2_model_loads_as_trained(tmp_path):
+    # transformers' AutoTokenizer would pick Qwen2Tokenizer from config.json and split digits one by one.
+    from transformers import Qwen2Config
+
+    bpe = build_bpe_tokenizer(["Numbers: [41, 88, 17]"] * 50, vocab_size=300)
+    bpe.save_pretrained(tmp_path)
+    Qwen2Config(vocab_size=len(bpe), hidden_size=32, num_hidden_layers=1, num_attention_heads=4).save_pretrained(tmp_path)
+    text = "Numbers: [41, 88, 17]"
+    assert load_tokenizer(str(tmp_path))(text, add_special_tokens=False)["input_ids"] == bpe(text, add_special_tokens=False)["input_ids"]
