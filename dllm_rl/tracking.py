@@ -1,6 +1,6 @@
 """Where a run's numbers go: one readable console line per step, metrics.jsonl, TensorBoard, samples.jsonl.
 
-Metric keys are namespaced (`reward/mean`, `loss/policy`, `perf/rollout_s`, ...). Only rank 0 writes;
+Metric keys are namespaced (`reward/on_policy`, `reward/external`, `loss/policy`, `perf/rollout_s`, ...). Only rank 0 writes;
 other ranks get a tracker that does nothing, so the loop never asks which rank it is on.
 """
 
@@ -13,9 +13,11 @@ from typing import Any
 
 # The console line: (metric key, label, format); missing keys are skipped.
 CONSOLE_FIELDS = [
-    ("reward/mean", "reward", "{:.3f}"), ("reward/accuracy", "acc", "{:.3f}"), ("loss/kl", "kl", "{:.4f}"),
-    ("policy/clip_frac", "clip", "{:.3f}"), ("rollout/len", "len", "{:.1f}"), ("eval/pass@1", "eval", "{:.3f}"),
-    ("perf/rollout_s", "roll", "{:.1f}s"), ("perf/score_s", "score", "{:.1f}s"), ("perf/update_s", "upd", "{:.1f}s"),
+    ("reward/on_policy", "reward", "{:.3f}"), ("reward/accuracy", "acc", "{:.3f}"),
+    ("reward/external", "ext", "{:.3f}"), ("external/rows", "ext_rows", "{:.0f}"), ("loss/kl", "kl", "{:.4f}"),
+    ("policy/clip_frac", "clip", "{:.3f}"), ("len/on_policy", "len", "{:.1f}"), ("eval/pass@1", "eval", "{:.3f}"),
+    ("perf/rollout_s", "roll", "{:.1f}s"), ("perf/external_s", "ext_s", "{:.1f}s"), ("perf/score_s", "score", "{:.1f}s"),
+    ("perf/update_s", "upd", "{:.1f}s"),
 ]
 
 

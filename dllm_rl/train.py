@@ -1,10 +1,12 @@
 """`dllm-rl train`: GRPO for a masked-diffusion policy, readable top to bottom.
 
-One step: draw B prompts -> G denoising rollouts each (per-row seeds) -> verifiable rewards -> group
-advantages -> old and reference log-probs under stored mask seeds -> mu inner iterations over minibatches
-of the clipped surrogate (+ beta * KL) -> optimizer steps. This is diffu-GRPO (d1, arXiv 2504.12216) with
-the estimator, advantage, KL and loss aggregation chosen by name from the tables in
-`dllm_rl.likelihood.estimators` and `dllm_rl.algo`.
+One step: draw B prompts -> G denoising rollouts each (per-row seeds) -> verifiable rewards -> with ERILS,
+external rollouts for the triggered prompts (`dllm_rl/external/`) -> advantages per source -> old and
+reference log-probs under stored mask seeds -> mu inner iterations over minibatches of the clipped surrogate
+(+ beta * KL) -> optimizer steps. Without external rollouts this is diffu-GRPO (d1, arXiv 2504.12216); the
+estimator, advantage, KL, loss aggregation and the ERILS options are chosen by name from the tables in
+`dllm_rl.likelihood.estimators`, `dllm_rl.algo` and `dllm_rl.external`. The step's rows live in
+`dllm_rl.buffer.Rows`, one per source.
 
 How it departs from d1:
 - every random draw (rollout noise, estimator masks, prompt order) is a function of (seed, step, row), so
@@ -18,7 +20,6 @@ How it departs from d1:
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import math
 import random
@@ -34,20 +35,18 @@ from transformers import AutoModel
 
 from dllm_rl.algo.advantages import ADVANTAGE_FNS, compute_advantages
 from dllm_rl.algo.losses import grpo_loss
+from dllm_rl.buffer import (Rows, completion_mask, derive_seed, loss_inputs, minibatch_plan, num_minibatches,
+                            score_rollouts)
 from dllm_rl.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from dllm_rl.data.task import Example, Task, render_prompt
 from dllm_rl.errors import ConfigError, check_kwargs, pick, require
 from dllm_rl.evaluate import evaluate_task
-from dllm_rl.likelihood.estimators import ESTIMATORS, estimate_logp
+from dllm_rl.external.mixer import build_mixer
+from dllm_rl.likelihood.estimators import ESTIMATORS
 from dllm_rl.policy.adapters import load_policy, wrap_model
 from dllm_rl.rollout.generate import TextGenerator
 from dllm_rl.rollout.sampler import completion_texts
 from dllm_rl.tracking import NullTracker, Tracker, console_line
-
-
-def derive_seed(*parts: Any) -> int:
-    """A 63-bit seed from any parts, stable across processes (unlike Python's hash())."""
-    return int.from_bytes(hashlib.blake2b("|".join(map(str, parts)).encode(), digest_size=8).digest(), "big") >> 1
 
 
 class PromptStream:
@@ -66,13 +65,6 @@ class PromptStream:
             out.append(self.examples[order[index]])
             self.position += 1
         return out
-
-
-def completion_mask(completion_NC: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """1 on completion tokens up to and including the first EOS (the EOS fill after it does not count)."""
-    is_eos_NC = completion_NC == eos_id
-    after_first_NC = (is_eos_NC.long().cumsum(-1) - is_eos_NC.long()) > 0
-    return (~after_first_NC).float()
 
 
 def check_train_args(group_size: int, prompts_per_step: int, inner_iterations: int, minibatch_size: int,
@@ -98,16 +90,6 @@ def lr_lambda(schedule: str, warmup: int, total: int):
     raise ConfigError(f"lr_schedule must be 'constant' or 'cosine', got {schedule!r}")
 
 
-def score_rollouts(policy, likelihood: dict, ids_NL, attention_mask_NL, P, seeds_N, order_NC, mask_NC):
-    """(logp, mask) at the ratio level of the estimator: per token (N, C), or per sequence (N, 1)."""
-    options = {k: v for k, v in likelihood.items() if k != "name"}
-    logp_NC = estimate_logp(likelihood["name"], policy, ids_NL, attention_mask_NL, P, seeds_N=seeds_N,
-                            order_NC=order_NC, **options)
-    if ESTIMATORS[likelihood["name"]][1] == "sequence":
-        return (logp_NC * mask_NC).sum(-1, keepdim=True), torch.ones_like(mask_NC[:, :1])
-    return logp_NC, mask_NC
-
-
 def train(
     task: Task,
     *,
@@ -115,6 +97,8 @@ def train(
     rollout: dict[str, Any],
     likelihood: dict[str, Any],
     algo: dict[str, Any],
+    external: dict[str, Any] | None = None,
+    mixing: dict[str, Any] | None = None,
     run_dir: str | None = None,
     resume: str | None = None,
     steps: int = 30,
@@ -132,6 +116,7 @@ def train(
     train_pool: int = 5000,
     eval_every: int = 10,
     eval_prompts: int = 64,
+    eval_samples: int = 0,
     checkpoint_every: int = 10,
     keep_checkpoints: int = 2,
     sample_every: int = 5,
@@ -141,13 +126,18 @@ def train(
     config: dict[str, Any] | None = None,
     print_fn=tqdm.write,
 ) -> dict[str, float]:
-    """Run GRPO on `task` from the dLLM at `model`; returns the last step's metrics."""
+    """Run GRPO (with ERILS external rollouts unless `external.name` is none) on `task` from the dLLM at
+    `model`; returns the last step's metrics."""
     check_train_args(group_size, prompts_per_step, inner_iterations, minibatch_size, steps, lr, likelihood, algo)
+    require(eval_samples >= 0, f"eval_samples must be >= 0, got {eval_samples}")
     advantage = algo.get("advantage", "mean")
     pick(ADVANTAGE_FNS, advantage, "algo.advantage")
     loss_options = {k: v for k, v in algo.items() if k not in ("name", "advantage")}
     check_kwargs(grpo_loss, loss_options, "algo")
     check_kwargs(ESTIMATORS[likelihood["name"]][0], {k: v for k, v in likelihood.items() if k != "name"}, "likelihood")
+    mixer = build_mixer(external, mixing, likelihood)
+    if mixer is not None:
+        loss_options["shaping_gamma"] = mixer.config.shaping_gamma
     run_dir = Path(resume or run_dir or time.strftime(f"runs/{task.name}-%Y%m%d-%H%M%S"))
     tracker = Tracker(run_dir, tensorboard=tensorboard)
     checkpoint = latest_checkpoint(run_dir) if resume else None
@@ -163,30 +153,45 @@ def train(
     net = policy.model.train()
     optimizer = torch.optim.AdamW(net.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(lr_schedule, warmup, steps))
-    state = {"step": 0, "data_position": 0, "bad_steps": 0}
+    state = {"step": 0, "data_position": 0, "bad_steps": 0, "external_baseline": 0.0}
     if checkpoint is not None:
-        state = load_trainer_state(checkpoint, optimizer, scheduler)
+        state = {**state, **load_trainer_state(checkpoint, optimizer, scheduler)}
         if reference is not None and "reference" in state:
             reference.model.load_state_dict(state.pop("reference"))
         print_fn(f"resumed from {checkpoint} at step {state['step']}")
     elif config is not None:
         (run_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if mixer is not None:
+        mixer.baseline = state["external_baseline"]
 
     prompts = PromptStream(task.examples("train", train_pool, seed), seed, state["data_position"])
     sampler_settings = {k: v for k, v in rollout.items() if k != "name"}
     generator = TextGenerator(policy, tokenizer, **sampler_settings)
     greedy = TextGenerator(policy, tokenizer, **{**sampler_settings, "temperature": 0.0})
-    eos_id, N = policy.eos_id, prompts_per_step * group_size
+    eos_id, B, G, N = policy.eos_id, prompts_per_step, group_size, prompts_per_step * group_size
+    max_length = getattr(net.config, "max_position_embeddings", None)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
 
     def evaluate(step: int) -> dict[str, float]:
+        """Greedy pass@1 on held-out prompts; with eval_samples = k, also k samples at the rollout temperature."""
         net.eval()
         with autocast:
             summary, _ = evaluate_task(greedy, task, num_prompts=eval_prompts, batch_size=64, seed=seed,
                                        tokenizer=tokenizer, print_fn=lambda *_: None)
+            out = {"eval/pass@1": summary["pass@1"], "eval/reward": summary["reward_mean"],
+                   "eval/format_rate": summary["format_rate"], "eval/len": summary["completion_tokens_mean"]}
+            if eval_samples > 0:
+                sampled, _ = evaluate_task(generator, task, num_prompts=eval_prompts, num_samples=eval_samples,
+                                           batch_size=64, seed=seed, tokenizer=tokenizer, print_fn=lambda *_: None)
+                out.update({"eval/sampled_pass@1": sampled["pass@1"],
+                            f"eval/best_of_{eval_samples}": sampled[f"best_of_{eval_samples}"]})
         net.train()
-        return {"eval/pass@1": summary["pass@1"], "eval/reward": summary["reward_mean"],
-                "eval/format_rate": summary["format_rate"]}
+        return out
+
+    def mask_seeds(source: str, rows: int) -> list[list[int]]:
+        """One estimator seed per (inner iteration, row): old, reference and current policy share the masks."""
+        tag = () if source == "on_policy" else (source,)
+        return [[derive_seed(seed, "mask", step, it, *tag, n) for n in range(rows)] for it in range(inner_iterations)]
 
     if state["step"] == 0 and eval_every > 0:
         before = evaluate(0)
@@ -197,53 +202,62 @@ def train(
     bar = tqdm(range(state["step"], steps), initial=state["step"], total=steps, desc="train", unit="step", disable=None)
     for step in bar:
         t0 = time.perf_counter()
-        # ---- 1. prompts and rollouts
-        examples = prompts.next(prompts_per_step)
-        texts = [render_prompt(task.prompt(ex), tokenizer) for ex in examples for _ in range(group_size)]
-        rollout_seeds = [derive_seed(seed, "rollout", step, n) for n in range(N)]
+        # ---- 1. prompts, on-policy rollouts, rewards
+        examples = prompts.next(B)
+        prompt_texts = [render_prompt(task.prompt(ex), tokenizer) for ex in examples]
         net.eval()
         with autocast:
-            samples = generator.sample(texts, rollout_seeds)
+            samples = generator.sample([t for t in prompt_texts for _ in range(G)],
+                                       [derive_seed(seed, "rollout", step, n) for n in range(N)])
         net.train()
-        ids_NL, attention_mask_NL, P = samples.sequences_BL, samples.attention_mask_BL, samples.prompt_length
         completions = completion_texts(tokenizer, samples.completion_BC, eos_id)
+        rewards = [task.reward(text, examples[n // G]) for n, text in enumerate(completions)]
+        on = Rows("on_policy", samples.sequences_BL, samples.attention_mask_BL, samples.prompt_length,
+                  completion_mask(samples.completion_BC, eos_id), samples.unmask_step_BC,
+                  torch.arange(B).repeat_interleave(G), rewards, completions, version=step, likelihood=likelihood)
+        on.mask_seeds = mask_seeds("on_policy", N)
+        rewards_BG = on.rewards_N.view(B, G)
         t1 = time.perf_counter()
 
-        # ---- 2. rewards and advantages
-        rewards = [task.reward(text, examples[n // group_size]) for n, text in enumerate(completions)]
-        rewards_BG = torch.tensor([r.score for r in rewards], dtype=torch.float32).view(prompts_per_step, group_size)
-        adv_N = compute_advantages(rewards_BG, advantage).reshape(N)
-        mask_NC = completion_mask(samples.completion_BC, eos_id)
-        order_NC = samples.unmask_step_BC
-
-        # ---- 3. old and reference log-probs under the stored mask seeds
-        mask_seeds = [[derive_seed(seed, "mask", step, it, n) for n in range(N)] for it in range(inner_iterations)]
-        reuse_current = inner_iterations == 1 and minibatch_size >= N
-        old, ref = [None] * inner_iterations, [None] * inner_iterations
-        with torch.no_grad(), autocast:
-            for it in range(inner_iterations):
-                if not reuse_current:
-                    old[it] = score_rollouts(policy, likelihood, ids_NL, attention_mask_NL, P, mask_seeds[it], order_NC, mask_NC)[0]
-                if reference is not None:
-                    ref[it] = score_rollouts(reference, likelihood, ids_NL, attention_mask_NL, P, mask_seeds[it], order_NC, mask_NC)[0]
+        # ---- 2. external rollouts (ERILS) and every row's advantage
+        ext, ext_metrics = None, {}
+        if mixer is None:
+            on.adv_N = compute_advantages(rewards_BG, advantage).reshape(N)
+        else:
+            correct_BG = torch.tensor([r.correct for r in rewards]).view(B, G)
+            with autocast:
+                ext, ext_metrics = mixer.rows(step=step, seed=seed, task=task, examples=examples,
+                                              prompt_texts=prompt_texts, correct_BG=correct_BG, tokenizer=tokenizer,
+                                              window=generator.gen_length, eos_id=eos_id, max_length=max_length,
+                                              mask_seed_fn=lambda rows: mask_seeds("external", rows))
+            mixer.assign_advantages(on, ext, rewards_BG, advantage)
+        parts = [on] + ([ext] if ext is not None else [])
         t2 = time.perf_counter()
 
+        # ---- 3. old and reference log-probs under the stored mask seeds
+        minibatches = num_minibatches(N, minibatch_size)
+        importance = ext is not None and mixer.config.correction == "is"
+        reuse_current = inner_iterations == 1 and minibatches == 1 and not importance
+        with torch.no_grad(), autocast:
+            for part in parts:
+                part.old_logp = [None if reuse_current else part.score_all(policy, it) for it in range(inner_iterations)]
+                part.ref_logp = [None if reference is None else part.score_all(reference, it)
+                                 for it in range(inner_iterations)]
+        if importance:
+            ext_metrics.update(mixer.importance_weights(ext, ext.old_logp[0]))
+        t3 = time.perf_counter()
+
         # ---- 4. mu inner iterations of minibatch updates
-        informative = bool((adv_N != 0).any())
+        informative = any(bool((part.adv_N != 0).any()) for part in parts)
+        mix = mixer.config.minibatch_mix if mixer is not None else "stratified"
         loss_metrics: list[dict[str, float]] = []
         updates = 0
         for it in range(inner_iterations) if informative else []:
-            order = torch.randperm(N, generator=torch.Generator().manual_seed(derive_seed(seed, "minibatch", step, it)))
-            for lo in range(0, N, minibatch_size):
-                rows = order[lo : lo + minibatch_size]
-                seeds_mb = [mask_seeds[it][int(r)] for r in rows]
+            shuffle = torch.Generator().manual_seed(derive_seed(seed, "minibatch", step, it))
+            for picks in minibatch_plan([len(part) for part in parts], minibatches, mix, shuffle):
                 with autocast:
-                    logp, level_mask = score_rollouts(policy, likelihood, ids_NL[rows], attention_mask_NL[rows], P,
-                                                      seeds_mb, order_NC[rows], mask_NC[rows])
-                old_logp = logp.detach() if reuse_current else old[it][rows]
-                ref_logp = ref[it][rows] if reference is not None else None
-                loss, lm = grpo_loss(logp.float(), old_logp.float(), None if ref_logp is None else ref_logp.float(),
-                                     adv_N[rows], level_mask, **loss_options)
+                    inputs = loss_inputs(parts, picks, policy, it, reuse_current)
+                loss, lm = grpo_loss(**inputs, **loss_options)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 grad_norm = torch.nn.utils.clip_grad_norm_(net.parameters(), grad_clip)
@@ -265,30 +279,28 @@ def train(
             scheduler.step()
         if reference is not None and ref_sync_every > 0 and (step + 1) % ref_sync_every == 0:
             reference.model.load_state_dict(net.state_dict())
-        t3 = time.perf_counter()
+        t4 = time.perf_counter()
 
         # ---- 5. metrics, samples, evaluation, checkpoint
-        lengths = mask_NC.sum(-1)
         metrics = {
-            "reward/mean": float(rewards_BG.mean()),
+            **source_metrics(on), **(source_metrics(ext) if ext is not None else {}), **ext_metrics,
             "reward/accuracy": sum(r.correct for r in rewards) / N,
             "reward/format": sum(r.formatted for r in rewards) / N,
             "reward/zero_std_groups": float((rewards_BG.std(-1) == 0).float().mean()),
-            "rollout/len": float(lengths.mean()),
             "policy/updates": float(updates),
             "policy/lr": scheduler.get_last_lr()[0],
-            "perf/rollout_s": t1 - t0, "perf/score_s": t2 - t1, "perf/update_s": t3 - t2,
-            "perf/tokens_per_s": float(lengths.sum()) / max(t1 - t0, 1e-9),
+            "perf/rollout_s": t1 - t0, "perf/external_s": t2 - t1, "perf/score_s": t3 - t2, "perf/update_s": t4 - t3,
+            "perf/tokens_per_s": float(on.lengths_N.sum()) / max(t1 - t0, 1e-9),
         }
         for key in loss_metrics[0] if loss_metrics else []:
             metrics[key] = sum(m[key] for m in loss_metrics) / len(loss_metrics)
-        state.update(step=step + 1, data_position=prompts.position)
+        state.update(step=step + 1, data_position=prompts.position,
+                     external_baseline=mixer.baseline if mixer is not None else 0.0)
         if eval_every > 0 and ((step + 1) % eval_every == 0 or step + 1 == steps):
             metrics.update(evaluate(step + 1))
         tracker.log(step + 1, metrics)
         if sample_every > 0 and (step % sample_every == 0 or step + 1 == steps):
-            tracker.samples(step + 1, [{"prompt": texts[n], "completion": completions[n], "reward": rewards[n].score,
-                                        "reason": rewards[n].reason} for n in range(0, N, group_size)])
+            tracker.samples(step + 1, sample_rows(on, prompt_texts, every=G) + sample_rows(ext, prompt_texts, every=1))
         print_fn(console_line(step + 1, steps, metrics))
         if checkpoint_every > 0 and ((step + 1) % checkpoint_every == 0 or step + 1 == steps):
             saved = dict(state)
@@ -299,3 +311,18 @@ def train(
     bar.close()
     tracker.close()
     return metrics
+
+
+def source_metrics(rows: Rows) -> dict[str, float]:
+    """reward/<source>, len/<source> and adv/<source> (mean advantage) for one source's rows."""
+    return {f"reward/{rows.source}": float(rows.rewards_N.mean()), f"len/{rows.source}": float(rows.lengths_N.mean()),
+            f"adv/{rows.source}": float(rows.adv_N.mean())}
+
+
+def sample_rows(rows: Rows | None, prompt_texts: list[str], every: int) -> list[dict[str, Any]]:
+    """Every `every`-th row of a source as a samples.jsonl record."""
+    if rows is None:
+        return []
+    return [{"source": rows.source, "version": rows.version, "prompt": prompt_texts[int(rows.prompt_N[n])],
+             "completion": rows.texts[n], "reward": rows.rewards[n].score, "reason": rows.rewards[n].reason,
+             "advantage": float(rows.adv_N[n])} for n in range(0, len(rows), every)]

@@ -15,7 +15,8 @@ from dllm_rl.checkpoint import latest_checkpoint
 from dllm_rl.data import build_task
 from dllm_rl.data.task import Example, Reward
 from dllm_rl.errors import ConfigError
-from dllm_rl.train import completion_mask, train
+from dllm_rl.buffer import completion_mask
+from dllm_rl.train import train
 
 SMALL = dict(
     rollout={"gen_length": 16, "block_length": 8, "steps": 8, "temperature": 1.0},
@@ -77,7 +78,7 @@ def test_end_to_end_parameters_change_and_metrics_are_finite(saved_model, tmp_pa
     assert [l["step"] for l in lines] == [1, 2]
     for line in lines:
         assert all(v == v and abs(v) != float("inf") for v in line.values() if isinstance(v, float))
-        assert 0.0 < line["reward/mean"] < 1.0 and "loss/kl" in line and "policy/clip_frac" in line
+        assert 0.0 < line["reward/on_policy"] < 1.0 and "loss/kl" in line and "policy/clip_frac" in line
     assert (run / "samples.jsonl").read_text().count("\n") == 2 * 2  # one sample per prompt and step
     # A checkpoint is a model directory the evaluator loads.
     assert cli.main(["eval", f"model={latest_checkpoint(run)}", "num_prompts=2", "rollout.gen_length=16",
@@ -91,7 +92,7 @@ def test_four_steps_equal_two_plus_resume_plus_two(saved_model, tmp_path):
     train(CountDigits(), model=saved_model, resume=str(split), steps=4, checkpoint_every=2, **SMALL)
     a, b = weights(latest_checkpoint(straight)), weights(latest_checkpoint(split))
     assert all(torch.equal(a[k], b[k]) for k in a)  # bitwise
-    rewards = [[json.loads(l)["reward/mean"] for l in (run / "metrics.jsonl").read_text().splitlines()]
+    rewards = [[json.loads(l)["reward/on_policy"] for l in (run / "metrics.jsonl").read_text().splitlines()]
                for run in (straight, split)]
     assert rewards[0] == rewards[1] and len(rewards[0]) == 4
     ta = torch.load(latest_checkpoint(straight) / "trainer_state.pt", weights_only=False)

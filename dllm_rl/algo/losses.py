@@ -76,6 +76,16 @@ def clipped_surrogate(
     return -torch.minimum(unclipped_NC, clipped_term_NC), clipped_term_NC < unclipped_NC
 
 
+def shaped_surrogate(logp_NC: torch.Tensor, adv_N: torch.Tensor, gamma: float) -> torch.Tensor:
+    """LUFFY's policy shaping for off-policy rows (arXiv 2504.14945), as a loss: -f(p) * A with f(p) = p / (p + gamma),
+    p = exp(logp) the policy's probability of the token. Unclipped; d f / d logp = gamma * p / (p + gamma)^2 peaks
+    at p = gamma, so low-probability tokens of the external text get a larger gradient than under -p * A."""
+    require(gamma > 0, f"shaping_gamma={gamma!r}: expected gamma > 0")
+    _check_per_row(logp_NC, adv_N=adv_N)
+    p_NC = logp_NC.clamp(max=0.0).exp()
+    return -(p_NC / (p_NC + gamma)) * adv_N.detach().to(p_NC.dtype).unsqueeze(1)
+
+
 # KL(pi || ref) per token from a sample of pi (Schulman 2020). In the loss they are differentiated through
 # logp with the samples held fixed, as GRPO does; only k3's value is an unbiased, low-variance, >= 0 estimate.
 def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -156,11 +166,15 @@ def grpo_loss(
     aggregation: str = "token",
     constant: float | None = None,
     weights_N: torch.Tensor | None = None,
+    shaped_N: torch.Tensor | None = None,
+    shaping_gamma: float = 0.1,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GRPO's loss (arXiv 2402.03300): clipped surrogate + beta * KL per token, times a per-row weight, aggregated.
 
     `adv_N` is one advantage per rollout (from `dllm_rl/algo/advantages.py`, flattened). `weights_N` (optional,
     treated as constants) scales each rollout's loss: importance weights for off-policy rollouts or loss weights.
+    Rows where the bool `shaped_N` is True (external rollouts under LUFFY's correction) use `shaped_surrogate`
+    instead of the clipped one; they are not counted as clipped.
     The KL term needs `ref_logp_NC` when beta > 0 and is skipped when beta == 0. Works as well on sequence-level
     log-probs, logp_N1 with mask_N1. Returns (loss, metrics); loss == loss/policy + beta * loss/kl.
     """
@@ -170,7 +184,7 @@ def grpo_loss(
     require(beta == 0 or ref_logp_NC is not None,
             f"beta={beta!r} adds a KL penalty, which needs ref_logp_NC (reference log-probs); got None")
     _check_per_token(logp_NC, old_logp_NC=old_logp_NC, ref_logp_NC=ref_logp_NC, mask_NC=mask_NC)
-    _check_per_row(logp_NC, adv_N=adv_N, weights_N=weights_N)
+    _check_per_row(logp_NC, adv_N=adv_N, weights_N=weights_N, shaped_N=shaped_N)
 
     # Padding log-probs may be -inf; (-inf) - (-inf) is NaN, and NaN reaches the gradient even through a
     # where() downstream. Zeroing them first makes ignored tokens inert in the forward and the backward.
@@ -181,6 +195,10 @@ def grpo_loss(
         ref_logp_NC = torch.where(is_counted_NC, ref_logp_NC, torch.zeros_like(ref_logp_NC))
 
     policy_NC, clipped_NC = clipped_surrogate(logp_NC, old_logp_NC, adv_N, eps_low, eps_high)
+    if shaped_N is not None and bool(shaped_N.any()):
+        shaped_N1 = shaped_N.bool().unsqueeze(1)
+        policy_NC = torch.where(shaped_N1, shaped_surrogate(logp_NC, adv_N, shaping_gamma), policy_NC)
+        clipped_NC = clipped_NC & ~shaped_N1
     kl_NC = kl_fn(logp_NC, ref_logp_NC) if use_kl else torch.zeros_like(policy_NC)
     if weights_N is not None:
         weight_N1 = weights_N.detach().to(policy_NC.dtype).unsqueeze(1)

@@ -1,0 +1,143 @@
+"""The step's rollout buffer: rows from each source, scored and cut into minibatches.
+
+A step holds one `Rows` per source: the dLLM's own denoising rollouts ("on_policy") and, with ERILS, the
+external policy's rollouts ("external"). Every row carries its source, the policy version that made it,
+its prompt, reward and advantage, a loss weight, the mask seed of each inner iteration, and its old and
+reference log-probs once scored. Rows of one source share a prompt length P and a window C; sources may
+differ (external rows have their own prompt padding, and a longer window under `length_rule=none`), so
+each source is scored by its own forward passes and the per-token log-probs are padded to a common width
+before the loss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dllm_rl.data.task import Reward
+from dllm_rl.errors import pick
+from dllm_rl.likelihood.estimators import ESTIMATORS, estimate_logp
+
+MINIBATCH_MIXES = ("stratified", "mixed")
+
+
+def derive_seed(*parts: Any) -> int:
+    """A 63-bit seed from any parts, stable across processes (unlike Python's hash())."""
+    return int.from_bytes(hashlib.blake2b("|".join(map(str, parts)).encode(), digest_size=8).digest(), "big") >> 1
+
+
+def completion_mask(completion_NC: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """1 on completion tokens up to and including the first EOS (the EOS fill after it does not count)."""
+    is_eos_NC = completion_NC == eos_id
+    after_first_NC = (is_eos_NC.long().cumsum(-1) - is_eos_NC.long()) > 0
+    return (~after_first_NC).float()
+
+
+def score_rollouts(policy, likelihood: dict, ids_NL, attention_mask_NL, P, seeds_N, order_NC, mask_NC):
+    """(logp, mask) at the ratio level of the estimator: per token (N, C), or per sequence (N, 1)."""
+    options = {k: v for k, v in likelihood.items() if k != "name"}
+    logp_NC = estimate_logp(likelihood["name"], policy, ids_NL, attention_mask_NL, P, seeds_N=seeds_N,
+                            order_NC=order_NC, **options)
+    if ESTIMATORS[likelihood["name"]][1] == "sequence":
+        return (logp_NC * mask_NC).sum(-1, keepdim=True), torch.ones_like(mask_NC[:, :1])
+    return logp_NC, mask_NC
+
+
+@dataclass
+class Rows:
+    """One step's rollouts from one source."""
+
+    source: str  # "on_policy" or "external"
+    ids_NL: torch.Tensor  # left-padded prompt (P) + completion window (C)
+    attention_mask_NL: torch.Tensor
+    prompt_length: int
+    mask_NC: torch.Tensor  # 1 on the scored completion tokens (up to and including the first EOS)
+    order_NC: torch.Tensor | None  # the step each token was unmasked at; None = no denoising trajectory
+    prompt_N: torch.Tensor  # index of each row's prompt among the step's prompts
+    rewards: list[Reward]
+    texts: list[str]
+    version: int  # policy version (step) that made the rows; -1 for an external policy
+    likelihood: dict[str, Any]  # the estimator config these rows are scored with
+    behaviour_logp_N: torch.Tensor | None = None  # log mu(y|x) of the policy that wrote them, where known
+    adv_N: torch.Tensor | None = None
+    weight_N: torch.Tensor | None = None  # loss weight per row (None = 1)
+    shaped: bool = False  # LUFFY policy shaping instead of the clipped surrogate
+    mask_seeds: list[list[int]] = field(default_factory=list)  # [inner iteration][row]
+    old_logp: list[torch.Tensor | None] = field(default_factory=list)  # [inner iteration] -> (N, C) or (N, 1)
+    ref_logp: list[torch.Tensor | None] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return self.ids_NL.shape[0]
+
+    @property
+    def rewards_N(self) -> torch.Tensor:
+        return torch.tensor([r.score for r in self.rewards], dtype=torch.float32)
+
+    @property
+    def lengths_N(self) -> torch.Tensor:
+        return self.mask_NC.sum(-1)
+
+    def score(self, policy, rows: torch.Tensor, iteration: int):
+        """(logp, level_mask) of `rows` under `policy`, with the stored mask seeds of `iteration`."""
+        seeds = [self.mask_seeds[iteration][int(r)] for r in rows]
+        order = None if self.order_NC is None else self.order_NC[rows]
+        return score_rollouts(policy, self.likelihood, self.ids_NL[rows], self.attention_mask_NL[rows],
+                              self.prompt_length, seeds, order, self.mask_NC[rows])
+
+    def score_all(self, policy, iteration: int) -> torch.Tensor:
+        return self.score(policy, torch.arange(len(self)), iteration)[0]
+
+
+def minibatch_plan(sizes: list[int], num_minibatches: int, mix: str, generator: torch.Generator) -> list[list[torch.Tensor]]:
+    """For each minibatch, the row indices it takes from each part (parts of `sizes` rows).
+
+    "stratified": every part is shuffled and split evenly over the minibatches, so each minibatch holds the
+    same share of every source. "mixed": all rows are shuffled together and split, so shares vary."""
+    pick({m: m for m in MINIBATCH_MIXES}, mix, "mixing.minibatch_mix")
+    if mix == "stratified":
+        chunks = [torch.tensor_split(torch.randperm(n, generator=generator), num_minibatches) for n in sizes]
+        return [[chunks[p][k] for p in range(len(sizes))] for k in range(num_minibatches)]
+    offsets = torch.tensor([0] + sizes).cumsum(0)
+    plan = []
+    for chunk in torch.tensor_split(torch.randperm(sum(sizes), generator=generator), num_minibatches):
+        plan.append([chunk[(chunk >= offsets[p]) & (chunk < offsets[p + 1])] - offsets[p] for p in range(len(sizes))])
+    return plan
+
+
+def num_minibatches(on_policy_rows: int, minibatch_size: int) -> int:
+    """Minibatches per inner iteration: set by the on-policy rows; external rows are spread over them."""
+    return math.ceil(on_policy_rows / minibatch_size)
+
+
+def _pad_to(t: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(t, (0, width - t.shape[1]))
+
+
+def loss_inputs(parts: list[Rows], picks: list[torch.Tensor], policy, iteration: int, reuse_current: bool) -> dict:
+    """The arguments of `grpo_loss` for one minibatch: each part scored on its picked rows, padded to one width."""
+    pieces = []
+    for part, rows in zip(parts, picks):
+        if len(rows) == 0:
+            continue
+        logp, level_mask = part.score(policy, rows, iteration)
+        old = logp.detach() if reuse_current else part.old_logp[iteration][rows]
+        ref = part.ref_logp[iteration][rows] if part.ref_logp and part.ref_logp[iteration] is not None else None
+        weight = part.weight_N[rows] if part.weight_N is not None else torch.ones(len(rows))
+        pieces.append((logp.float(), old.float(), None if ref is None else ref.float(), part.adv_N[rows],
+                       level_mask, weight, torch.full((len(rows),), part.shaped)))
+    width = max(p[0].shape[1] for p in pieces)
+    logp, old, ref, adv, mask, weight, shaped = zip(*pieces)
+    has_ref = all(r is not None for r in ref)
+    return {
+        "logp_NC": torch.cat([_pad_to(t, width) for t in logp]),
+        "old_logp_NC": torch.cat([_pad_to(t, width) for t in old]),
+        "ref_logp_NC": torch.cat([_pad_to(t, width) for t in ref]) if has_ref else None,
+        "adv_N": torch.cat(adv),
+        "mask_NC": torch.cat([_pad_to(t, width) for t in mask]),
+        "weights_N": torch.cat(weight),
+        "shaped_N": torch.cat(shaped),
+    }

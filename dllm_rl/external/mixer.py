@@ -1,0 +1,211 @@
+"""ERILS in the trainer: turn a step's prompts into external rows of the mixed buffer, and give every row
+of the step its advantage and loss weight.
+
+Order inside a step: the on-policy rollouts are scored first (the trigger may depend on them), then the
+triggered prompts ask the source for `per_prompt * candidates` rollouts each, which are bridged into the
+dLLM's vocabulary, length-controlled, verified by the task's reward, filtered (`keep`) and selected
+(`select`). The external rows are then scored by the dLLM with a trajectory-free estimator (they have no
+denoising order): the on-policy estimator when it needs none, otherwise left_to_right; an explicit
+`likelihood` override must work at the same level (token or sequence) as the on-policy one, because both
+sources share one loss.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dllm_rl.algo import mixing
+from dllm_rl.buffer import Rows, completion_mask, derive_seed
+from dllm_rl.data.task import Example, Task
+from dllm_rl.errors import ConfigError, check_kwargs, pick, require
+from dllm_rl.external.bridge import LENGTH_RULES, bridge, control_length, select, window_row
+from dllm_rl.external.sources import ExternalSource, build_source
+from dllm_rl.likelihood.estimators import ESTIMATORS
+from dllm_rl.rollout.sampler import left_pad
+
+KEEP = ("correct", "all")
+
+
+@dataclass
+class MixingConfig:
+    """How external rollouts enter the step (every field is a `mixing.*` key of configs/train.yaml)."""
+
+    per_prompt: int = 2
+    candidates: int = 1
+    trigger: str = "always"
+    decay_steps: int = 30
+    keep: str = "correct"
+    length_rule: str = "drop"
+    processing: str = "separate"
+    statistic: str = "constant"
+    constant: float = 1.0
+    baseline_decay: float = 0.9
+    weight: float = 1.0
+    correction: str = "none"
+    shaping_gamma: float = 0.1
+    is_cap: float = 2.0
+    is_self_normalize: bool = True
+    likelihood: dict[str, Any] | None = None
+    minibatch_mix: str = "stratified"
+
+    def __post_init__(self) -> None:
+        require(self.per_prompt >= 1, f"mixing.per_prompt must be >= 1, got {self.per_prompt}")
+        require(self.candidates >= 1, f"mixing.candidates must be >= 1, got {self.candidates}")
+        require(self.decay_steps >= 1, f"mixing.decay_steps must be >= 1, got {self.decay_steps}")
+        require(self.weight >= 0, f"mixing.weight must be >= 0, got {self.weight}")
+        require(0 <= self.baseline_decay < 1, f"mixing.baseline_decay must be in [0, 1), got {self.baseline_decay}")
+        for key, names in (("trigger", mixing.TRIGGERS), ("keep", KEEP), ("length_rule", LENGTH_RULES),
+                           ("processing", mixing.PROCESSING), ("statistic", mixing.STATISTICS),
+                           ("correction", mixing.CORRECTIONS)):
+            pick({n: n for n in names}, getattr(self, key), f"mixing.{key}")
+
+
+def external_likelihood(on_policy: dict[str, Any], override: dict[str, Any] | None) -> dict[str, Any]:
+    """The estimator config for external rows (see the module docstring)."""
+    level = ESTIMATORS[on_policy["name"]][1]
+    if override:
+        name = override.get("name")
+        pick(ESTIMATORS, name, "mixing.likelihood.name")
+        require(not ESTIMATORS[name][2], f"mixing.likelihood.name={name!r} needs a denoising trajectory, which "
+                                         "external rollouts do not have; use mean_field, elbo, coupled or left_to_right")
+        require(ESTIMATORS[name][1] == level, f"mixing.likelihood.name={name!r} works per {ESTIMATORS[name][1]}, the "
+                                              f"on-policy estimator {on_policy['name']!r} per {level}; they share one loss")
+        return dict(override)
+    if not ESTIMATORS[on_policy["name"]][2]:
+        return dict(on_policy)
+    return {"name": "left_to_right", **{k: v for k, v in on_policy.items() if k == "group"}}
+
+
+class ExternalMixer:
+    def __init__(self, source: ExternalSource, config: MixingConfig, on_policy_likelihood: dict[str, Any]):
+        self.source, self.config = source, config
+        self.likelihood = external_likelihood(on_policy_likelihood, config.likelihood)
+        if config.correction == "shaping":
+            require(ESTIMATORS[self.likelihood["name"]][1] == "token",
+                    "mixing.correction=shaping works on per-token probabilities; the likelihood estimator "
+                    f"{self.likelihood['name']!r} is per sequence")
+        self.baseline = 0.0  # running mean of external rewards (statistic=running); saved with checkpoints
+        self.warned: set[str] = set()
+
+    # ------------------------------------------------------------------------------------ external rows
+
+    def rows(self, *, step: int, seed: int, task: Task, examples: list[Example], prompt_texts: list[str],
+             correct_BG: torch.Tensor, tokenizer, window: int, eos_id: int, max_length: int | None,
+             mask_seed_fn) -> tuple[Rows | None, dict[str, float]]:
+        """The step's external rows (None if no prompt fired or nothing survived) and their metrics."""
+        c = self.config
+        uniform_B = torch.tensor([derive_seed(seed, "trigger", step, b) / 2**63 for b in range(len(examples))])
+        fire_B = mixing.triggered(correct_BG, c.trigger, step=step, decay_steps=c.decay_steps, uniform_B=uniform_B)
+        chosen = fire_B.nonzero().squeeze(-1).tolist()
+        asked = c.per_prompt * c.candidates
+        seeds = [[derive_seed(seed, "external", step, b, j) for j in range(asked)] for b in chosen]
+        got = self.source.rollouts(task, [examples[b] for b in chosen], asked, seeds) if chosen else []
+
+        kept: list[tuple[int, Any, Any, float | None]] = []  # (prompt, bridged, reward, behaviour logp)
+        counts = {"candidates": 0, "too_long": 0, "truncated": 0, "unrepresentable": 0, "incorrect": 0}
+        source_lengths: list[int] = []
+        for b, rollouts in zip(chosen, got):
+            counts["candidates"] += len(rollouts)
+            bridged = []
+            for r in rollouts:
+                item = bridge(r.text, tokenizer)
+                if item.lost:
+                    counts["unrepresentable"] += 1
+                    if item.lost not in self.warned:
+                        self.warned.add(item.lost)
+                        warnings.warn(f"external rollout dropped: the dLLM tokenizer cannot represent {item.lost!r} "
+                                      f"(text {r.text[:60]!r})")
+                    continue
+                bridged.append((item, r.behaviour_logp))
+                source_lengths.append(len(item.ids))
+            survivors, n = control_length([item for item, _ in bridged], lambda text: task.reward(text, examples[b]),
+                                          rule=c.length_rule, window=window, tokenizer=tokenizer)
+            counts["too_long"] += n["too_long"]
+            counts["truncated"] += n["truncated"]
+            ok = [(k, item, rw) for k, item, rw in survivors if c.keep == "all" or rw.correct]
+            counts["incorrect"] += len(survivors) - len(ok)
+            for j in select([len(item.ids) for _, item, _ in ok], c.per_prompt, c.length_rule):
+                k, item, rw = ok[j]
+                kept.append((b, item, rw, bridged[k][1]))
+
+        metrics = {f"external/{k}": float(v) for k, v in counts.items()}
+        metrics["external/prompts"] = float(len(chosen))
+        metrics["external/rows"] = float(len(kept))
+        if source_lengths:
+            metrics["external/candidate_len"] = sum(source_lengths) / len(source_lengths)
+        if not kept:
+            return None, metrics
+
+        encoded = [tokenizer(prompt_texts[b], add_special_tokens=False)["input_ids"] for b, *_ in kept]
+        ids_EP, mask_EP = left_pad(encoded, tokenizer.pad_token_id)
+        P = ids_EP.shape[1]
+        width = window if c.length_rule != "none" else max(window, max(len(i.ids) for _, i, _, _ in kept))
+        if max_length is not None and P + width > max_length:
+            raise ConfigError(f"external rollouts of up to {width} tokens after a {P}-token prompt exceed the dLLM's "
+                              f"context of {max_length}; use mixing.length_rule=drop, truncate or shortest")
+        window_EC = torch.tensor([window_row(i.ids, width, eos_id) for _, i, _, _ in kept], dtype=torch.long)
+        behaviour = [lp for *_, lp in kept]
+        rows = Rows(
+            source="external",
+            ids_NL=torch.cat([ids_EP, window_EC], 1),
+            attention_mask_NL=torch.cat([mask_EP, torch.ones_like(window_EC)], 1),
+            prompt_length=P,
+            mask_NC=completion_mask(window_EC, eos_id),
+            order_NC=None,
+            prompt_N=torch.tensor([b for b, *_ in kept]),
+            rewards=[rw for _, _, rw, _ in kept],
+            texts=[i.text for _, i, _, _ in kept],
+            version=-1,
+            likelihood=self.likelihood,
+            behaviour_logp_N=torch.tensor(behaviour, dtype=torch.float64) if all(x is not None for x in behaviour) else None,
+            shaped=c.correction == "shaping",
+        )
+        rows.mask_seeds = mask_seed_fn(len(rows))
+        return rows, metrics
+
+    # ------------------------------------------------------------------------------------ advantages
+
+    def assign_advantages(self, on: Rows, ext: Rows | None, rewards_BG: torch.Tensor, advantage: str) -> None:
+        """Set `adv_N` (and `weight_N` of the external rows) for the step, per `processing` and `statistic`."""
+        c = self.config
+        ext_rewards = ext.rewards_N if ext is not None else torch.zeros(0)
+        ext_prompt = ext.prompt_N if ext is not None else torch.zeros(0, dtype=torch.long)
+        if c.processing == "joint":
+            adv_on_BG, adv_ext = mixing.joint_advantages(rewards_BG, ext_rewards, ext_prompt, advantage=advantage)
+        else:
+            adv_on_BG, adv_ext = mixing.separate_advantages(rewards_BG, ext_rewards, ext_prompt, advantage=advantage,
+                                                            statistic=c.statistic, constant=c.constant,
+                                                            baseline=self.baseline)
+        on.adv_N = adv_on_BG.reshape(-1)
+        if ext is not None:
+            ext.adv_N = adv_ext.to(torch.float32)
+            ext.weight_N = torch.full((len(ext),), c.weight)
+        self.baseline = mixing.running_baseline(self.baseline, ext_rewards, c.baseline_decay)
+
+    def importance_weights(self, ext: Rows, old_logp: torch.Tensor) -> dict[str, float]:
+        """Multiply the external rows' weights by the capped importance weights pi_old / mu (correction=is)."""
+        require(ext.behaviour_logp_N is not None,
+                f"mixing.correction=is needs the behaviour log-prob of every external rollout; source "
+                f"{self.source.name!r} did not give one for all (a JSONL source needs 'behaviour_logp' on each line)")
+        per_token = ESTIMATORS[ext.likelihood["name"]][1] == "token"
+        level_logp_N = (old_logp * ext.mask_NC).sum(-1) if per_token else old_logp[:, 0]
+        w_N, metrics = mixing.importance_weights(level_logp_N.double(), ext.behaviour_logp_N, cap=self.config.is_cap,
+                                                 self_normalize=self.config.is_self_normalize)
+        ext.weight_N = ext.weight_N * w_N.float()
+        return {f"external/{k}": v for k, v in metrics.items()}
+
+
+def build_mixer(external: dict[str, Any] | None, mixing_options: dict[str, Any] | None,
+                on_policy_likelihood: dict[str, Any]) -> ExternalMixer | None:
+    """None when `external.name` is "none" (on-policy GRPO only)."""
+    external = dict(external or {"name": "none"})
+    name = external.pop("name", "none")
+    if name == "none":
+        return None
+    check_kwargs(MixingConfig, mixing_options or {}, "mixing")
+    config = MixingConfig(**(mixing_options or {}))
+    return ExternalMixer(build_source(name, **external), config, on_policy_likelihood)

@@ -1,0 +1,159 @@
+"""External policies whose rollouts ERILS mixes into the dLLM's GRPO buffer, behind one protocol.
+
+ERILS, "Beyond On-Policy Exploration: Integrating External Policy Rollouts for RL in Diffusion LMs"
+(arXiv 2608.01717): when the dLLM's own rollouts rarely succeed, high-reward rollouts of a stronger external
+policy supply the missing positive signal. A source returns, for each prompt of a step, a list of
+`ExternalRollout`s: text in the source's own words, plus where it came from and, when the source knows it,
+its behaviour log-probability log mu(y | x) (needed by the capped importance-weight correction).
+
+| name      | what                                                | behaviour log-prob                     |
+|-----------|-----------------------------------------------------|----------------------------------------|
+| causal_lm | a Hugging Face causal LM from a local path, batched | sum of the sampled tokens' log-probs   |
+| jsonl     | precomputed rollouts, one JSON object per line      | the line's `behaviour_logp`, if given  |
+| solver    | the task's exact solver (Sudoku, Countdown, ...)    | 0 (a deterministic policy: mu(y|x)=1)  |
+
+Every source is deterministic given the seeds it is handed, so a resumed run sees the same external rows.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+from dllm_rl.data.task import Example, Solution, Task, render_completion, render_prompt
+from dllm_rl.errors import ConfigError, check_kwargs, pick, require
+
+
+@dataclass(frozen=True)
+class ExternalRollout:
+    """One external completion of the step's prompt number `prompt_index`."""
+
+    prompt_index: int
+    text: str
+    source: str
+    behaviour_logp: float | None = None
+
+
+class ExternalSource(Protocol):
+    name: str
+
+    def rollouts(self, task: Task, examples: Sequence[Example], count: int,
+                 seeds: Sequence[Sequence[int]]) -> list[list[ExternalRollout]]:
+        """`count` rollouts for each example (seeds[i][j] for rollout j of example i); one list per example."""
+        ...
+
+
+class CausalLMSource:
+    """Samples from a local causal LM (e.g. models/tiny-ar, a Qwen checkpoint), in its own tokenizer and chat
+    template. The behaviour log-prob is the sum of log mu over the sampled tokens up to and including the
+    first EOS, under the sampling distribution (softmax of logits / temperature)."""
+
+    name = "causal_lm"
+
+    def __init__(self, path: str, temperature: float = 1.0, max_new_tokens: int = 128, dtype: str = "float32",
+                 batch_size: int = 64):
+        from dllm_rl.rollout.generate import load_generator
+
+        require(temperature >= 0, f"external.temperature must be >= 0, got {temperature}")
+        require(batch_size > 0, f"external.batch_size must be > 0, got {batch_size}")
+        self.generator = load_generator(path, kind="causal", dtype=dtype, gen_length=max_new_tokens,
+                                        temperature=temperature)
+        self.path, self.batch_size = path, batch_size
+
+    def rollouts(self, task, examples, count, seeds):
+        jobs = [(i, j) for i in range(len(examples)) for j in range(count)]
+        out: list[list[ExternalRollout]] = [[] for _ in examples]
+        tokenizer, eos_id = self.generator.tokenizer, self.generator.eos_id
+        for lo in range(0, len(jobs), self.batch_size):
+            batch = jobs[lo : lo + self.batch_size]
+            prompts = [render_prompt(task.prompt(examples[i]), tokenizer) for i, _ in batch]
+            with torch.no_grad():
+                samples = self.generator.sample(prompts, [seeds[i][j] for i, j in batch])
+            for (i, _), row_C, prob_C in zip(batch, samples.completion_BC.tolist(), samples.confidence_BC):
+                end = row_C.index(eos_id) if eos_id in row_C else len(row_C)
+                logp = float(prob_C[: end + 1].double().log().sum())  # the EOS (if any) is a sampled token too
+                text = tokenizer.decode(row_C[:end], skip_special_tokens=True)
+                out[i].append(ExternalRollout(i, text, self.name, logp))
+        return out
+
+
+class JsonlSource:
+    """Precomputed rollouts: one JSON object per line with `uid` (the example's key, as `dllm-rl eval` writes
+    it in samples.jsonl), `completion`, and optionally `behaviour_logp`. A prompt with more stored rollouts
+    than asked for gets a seeded choice of them; one with none gets none."""
+
+    name = "jsonl"
+
+    def __init__(self, path: str):
+        file = Path(path).expanduser()
+        require(file.is_file(), f"external.path={path!r}: expected a JSONL file of external rollouts")
+        self.by_uid: dict[str, list[tuple[str, float | None]]] = {}
+        for number, line in enumerate(file.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ConfigError(f"{path}:{number}: not valid JSON ({error.msg})") from None
+            require(isinstance(row, dict) and isinstance(row.get("uid"), str) and isinstance(row.get("completion"), str),
+                    f"{path}:{number}: expected an object with string fields 'uid' and 'completion', got {line[:80]!r}")
+            logp = row.get("behaviour_logp")
+            require(logp is None or isinstance(logp, (int, float)),
+                    f"{path}:{number}: behaviour_logp must be a number, got {logp!r}")
+            self.by_uid.setdefault(row["uid"], []).append((row["completion"], None if logp is None else float(logp)))
+        require(self.by_uid, f"external.path={path!r} holds no rollouts")
+
+    def rollouts(self, task, examples, count, seeds):
+        out = []
+        for i, ex in enumerate(examples):
+            stored = self.by_uid.get(ex.uid, [])
+            chosen = random.Random(seeds[i][0] if seeds[i] else 0).sample(stored, min(count, len(stored)))
+            out.append([ExternalRollout(i, text, self.name, logp) for text, logp in chosen])
+        return out
+
+
+class SolverSource:
+    """The task's exact solver, written in the task's completion format. `trace_steps` sets the length: -1
+    keeps every reasoning step, k keeps the first k, 0 gives the answer alone. Deterministic, so the
+    behaviour log-prob is 0 and the `count` rollouts of a prompt are the same text."""
+
+    name = "solver"
+
+    def __init__(self, trace_steps: int = 0):
+        require(isinstance(trace_steps, int) and trace_steps >= -1,
+                f"external.trace_steps must be -1 (all steps), 0 (answer only) or a positive count, got {trace_steps!r}")
+        self.trace_steps = trace_steps
+
+    def completion(self, task: Task, example: Example) -> str | None:
+        solution = task.solve(example)
+        if solution is None:
+            return None
+        steps = solution.steps if self.trace_steps < 0 else solution.steps[: self.trace_steps]
+        return render_completion(Solution(solution.answer, steps), task.prompt_style)
+
+    def rollouts(self, task, examples, count, seeds):
+        out = []
+        for i, ex in enumerate(examples):
+            text = self.completion(task, ex)
+            out.append([] if text is None else [ExternalRollout(i, text, self.name, 0.0) for _ in range(count)])
+        return out
+
+
+SOURCES: dict[str, Callable[..., ExternalSource]] = {
+    "causal_lm": CausalLMSource,
+    "jsonl": JsonlSource,
+    "solver": SolverSource,
+}
+
+
+def build_source(name: str, **options) -> ExternalSource:
+    """The source `SOURCES[name]` built from its flat config options (unknown keys are named)."""
+    cls = pick(SOURCES, name, "external.name")
+    check_kwargs(cls.__init__, options, "external")
+    return cls(**options)
+

@@ -1,0 +1,158 @@
+"""The ERILS mixer: external rows of a step (triggers, length control, provenance) and the trainer around it."""
+
+import json
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from dllm_rl import buffer
+from dllm_rl.data import build_task
+from dllm_rl.data.task import render_prompt
+from dllm_rl.errors import ConfigError
+from dllm_rl.external.mixer import ExternalMixer, MixingConfig, build_mixer, external_likelihood
+from dllm_rl.external.sources import ExternalRollout
+from dllm_rl.train import train
+
+SUDOKU = build_task("sudoku")
+
+
+@dataclass
+class FixedSource:
+    """Hands every prompt the same texts (formatted with the example's answer)."""
+
+    templates: tuple[str, ...]
+    name: str = "fixed"
+
+    def rollouts(self, task, examples, count, seeds):
+        return [[ExternalRollout(i, t.format(answer=ex.answer), self.name, -1.0) for t in self.templates[:count]]
+                for i, ex in enumerate(examples)]
+
+
+def step_rows(mixer, tokenizer, correct_BG, examples, window=40):
+    texts = [render_prompt(SUDOKU.prompt(ex), tokenizer) for ex in examples]
+    return mixer.rows(step=0, seed=0, task=SUDOKU, examples=examples, prompt_texts=texts, correct_BG=correct_BG,
+                      tokenizer=tokenizer, window=window, eos_id=tokenizer.eos_token_id, max_length=128,
+                      mask_seed_fn=lambda n: [list(range(n))])
+
+
+def test_all_failed_trigger_adds_rows_only_for_failed_prompts(char_tokenizer):
+    examples = SUDOKU.examples("train", 3, 0)
+    mixer = ExternalMixer(FixedSource(("<answer>{answer}</answer>",)),
+                          MixingConfig(per_prompt=1, trigger="all_failed"), {"name": "mean_field"})
+    correct_BG = torch.tensor([[False, True], [False, False], [False, False]])
+    rows, metrics = step_rows(mixer, char_tokenizer, correct_BG, examples)
+    assert rows.prompt_N.tolist() == [1, 2] and metrics["external/prompts"] == 2
+    assert rows.source == "external" and rows.version == -1 and rows.order_NC is None
+    assert all(r.correct for r in rows.rewards)
+    # provenance: each row's prompt is its own example's prompt, the window holds the text then EOS fill
+    for n, b in enumerate(rows.prompt_N.tolist()):
+        completion = rows.ids_NL[n, rows.prompt_length:].tolist()
+        assert char_tokenizer.decode(completion[: len(rows.texts[n])]) == f"<answer>{examples[b].answer}</answer>"
+        assert set(completion[len(rows.texts[n]):]) == {char_tokenizer.eos_token_id}
+
+
+def test_drop_keeps_overlong_rollouts_out_and_truncate_rescores(char_tokenizer):
+    examples = SUDOKU.examples("train", 2, 0)
+    templates = ("reasoning " * 5 + "<answer>{answer}</answer>", "<answer>{answer}</answer>")
+    correct_BG = torch.zeros(2, 2, dtype=torch.bool)
+    drop = ExternalMixer(FixedSource(templates), MixingConfig(per_prompt=2, keep="all"), {"name": "mean_field"})
+    rows, metrics = step_rows(drop, char_tokenizer, correct_BG, examples)
+    assert metrics["external/too_long"] == 2 and len(rows) == 2
+    assert all(len(t) <= 40 for t in rows.texts) and rows.mask_NC.sum(-1).max() <= 40
+
+    truncate = ExternalMixer(FixedSource(templates), MixingConfig(per_prompt=2, keep="all", length_rule="truncate"),
+                             {"name": "mean_field"})
+    rows, metrics = step_rows(truncate, char_tokenizer, correct_BG, examples)
+    assert metrics["external/truncated"] == 2 and len(rows) == 4
+    assert [r.correct for r in rows.rewards] == [False, True, False, True]  # the cut text lost its answer
+
+    uncontrolled = ExternalMixer(FixedSource(templates), MixingConfig(per_prompt=2, length_rule="none"),
+                                 {"name": "mean_field"})
+    rows, _ = step_rows(uncontrolled, char_tokenizer, correct_BG, examples)
+    assert rows.ids_NL.shape[1] - rows.prompt_length == len(templates[0].format(answer="x" * 16))
+
+
+def test_external_rows_never_use_a_trajectory_estimator():
+    assert external_likelihood({"name": "ordered", "group": 4}, None) == {"name": "left_to_right", "group": 4}
+    assert external_likelihood({"name": "elbo", "num_masks": 2}, None) == {"name": "elbo", "num_masks": 2}
+    with pytest.raises(ConfigError, match="needs a denoising trajectory"):
+        external_likelihood({"name": "mean_field"}, {"name": "ordered"})
+    with pytest.raises(ConfigError, match="works per sequence"):
+        external_likelihood({"name": "mean_field"}, {"name": "elbo"})
+
+
+def test_bad_mixing_values_are_named():
+    with pytest.raises(ConfigError, match="unknown mixing.processing 'together'"):
+        MixingConfig(processing="together")
+    with pytest.raises(ConfigError, match="mixing.per_prompt must be >= 1"):
+        MixingConfig(per_prompt=0)
+    with pytest.raises(ConfigError, match="unknown config key 'mixing.ratio'"):
+        build_mixer({"name": "solver"}, {"ratio": 0.5}, {"name": "mean_field"})
+    assert build_mixer({"name": "none"}, {"ratio": 0.5}, {"name": "mean_field"}) is None
+
+
+# ------------------------------------------------------------------------------------------ the trainer
+
+SMALL = dict(
+    rollout={"gen_length": 48, "block_length": 48, "steps": 12, "temperature": 1.0},
+    algo={"advantage": "mean", "eps_low": 0.2, "eps_high": 0.2, "beta": 0.0},
+    prompts_per_step=2, group_size=3, minibatch_size=6, eval_every=0, sample_every=1, tensorboard=False,
+    lr=1e-3, print_fn=lambda *_: None, steps=1,
+)
+
+
+@pytest.fixture
+def saved_model(tiny_policy, char_tokenizer, tmp_path):
+    path = tmp_path / "model"
+    tiny_policy.model.save_pretrained(path)
+    char_tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def samples_of(run):
+    return [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_trainer_separate_vs_joint_processing(saved_model, tmp_path):
+    """Step 1 starts from the same model and seeds, so the on-policy rollouts are the same in every run."""
+    runs = {}
+    for name, external, mixing in [("none", {"name": "none"}, None),
+                                   ("separate", {"name": "solver"}, {"per_prompt": 2}),
+                                   ("joint", {"name": "solver"}, {"per_prompt": 2, "processing": "joint"})]:
+        run = tmp_path / name
+        metrics = train(SUDOKU, model=saved_model, run_dir=str(run), external=external, mixing=mixing,
+                        likelihood={"name": "mean_field"}, **SMALL)
+        runs[name] = (metrics, samples_of(run))
+    on = {k: [s["advantage"] for s in v[1] if s["source"] == "on_policy"] for k, v in runs.items()}
+    # a random model never solves Sudoku: every on-policy advantage is 0 alone and under separate processing;
+    # joint processing pools in the correct external rows and makes them negative
+    assert on["none"] == on["separate"] == [0.0, 0.0]
+    assert all(a < 0 for a in on["joint"])
+    for name in ("separate", "joint"):
+        metrics, samples = runs[name]
+        ext = [s for s in samples if s["source"] == "external"]
+        assert len(ext) == 4 and all(s["reward"] == 1.0 and s["version"] == -1 for s in ext)
+        assert metrics["reward/external"] == 1.0 and metrics["external/rows"] == 4
+        assert metrics["policy/updates"] == 1  # external rows give a signal where on-policy rollouts had none
+    assert runs["none"][0]["policy/updates"] == 0
+
+
+@pytest.mark.slow
+def test_trainer_scores_external_rows_with_the_dllm_and_no_trajectory(saved_model, tmp_path, monkeypatch):
+    calls = []
+    real = buffer.estimate_logp
+
+    def spy(name, policy, ids_NL, *args, order_NC=None, **kwargs):
+        calls.append((name, order_NC is not None, ids_NL.shape[0]))
+        return real(name, policy, ids_NL, *args, order_NC=order_NC, **kwargs)
+
+    monkeypatch.setattr(buffer, "estimate_logp", spy)
+    metrics = train(SUDOKU, model=saved_model, run_dir=str(tmp_path / "run"), external={"name": "solver"},
+                    mixing={"per_prompt": 1, "correction": "is"}, likelihood={"name": "ordered", "group": 8}, **SMALL)
+    # on-policy rows (6) are scored with their trajectory; external rows (2) left to right, without one
+    assert {c for c in calls if c[0] == "ordered"} == {("ordered", True, 6)}
+    assert {c for c in calls if c[0] == "left_to_right"} == {("left_to_right", False, 2)}
+    # correction=is scores the old log-probs of the external rows with the dLLM (not the behaviour policy)
+    assert 0 < metrics["external/ess"] <= 1 and "external/is_clip_frac" in metrics
