@@ -41,3 +41,12 @@ def tiny_policy(char_tokenizer):
 def make_dllm(char_tokenizer):
     """Factory for tiny native dLLMs: make_dllm(seed=0, hidden=32, layers=2)."""
     return lambda **kwargs: make_tiny_dllm(char_tokenizer, **kwargs)
+
+
+@pytest.fixture
+def saved_model(tiny_policy, char_tokenizer, tmp_path):
+    """A tiny native dLLM saved with its tokenizer as a model directory; returns the path."""
+    path = tmp_path / "model"
+    tiny_policy.model.save_pretrained(path)
+    char_tokenizer.save_pretrained(path)
+    return str(path)

@@ -5,9 +5,10 @@ Order inside a step: the on-policy rollouts are scored first (the trigger may de
 triggered prompts ask the source for `per_prompt * candidates` rollouts each, which are bridged into the
 dLLM's vocabulary, length-controlled, verified by the task's reward, filtered (`keep`) and selected
 (`select`). The external rows are then scored by the dLLM with a trajectory-free estimator (they have no
-denoising order): the on-policy estimator when it needs none, otherwise left_to_right; an explicit
-`likelihood` override must work at the same level (token or sequence) as the on-policy one, because both
-sources share one loss.
+denoising order): the on-policy estimator when it needs none, otherwise left_to_right, or any
+trajectory-free estimator named by `mixing.likelihood`. The levels may differ: a sequence-level row (ELBO)
+enters the shared loss as one unit whose value is the sum over its tokens, so under token aggregation its
+tokens weigh what a token-level row's tokens weigh.
 """
 
 from __future__ import annotations
@@ -66,14 +67,11 @@ class MixingConfig:
 
 def external_likelihood(on_policy: dict[str, Any], override: dict[str, Any] | None) -> dict[str, Any]:
     """The estimator config for external rows (see the module docstring)."""
-    level = ESTIMATORS[on_policy["name"]][1]
     if override:
         name = override.get("name")
         pick(ESTIMATORS, name, "mixing.likelihood.name")
         require(not ESTIMATORS[name][2], f"mixing.likelihood.name={name!r} needs a denoising trajectory, which "
                                          "external rollouts do not have; use mean_field, elbo, coupled or left_to_right")
-        require(ESTIMATORS[name][1] == level, f"mixing.likelihood.name={name!r} works per {ESTIMATORS[name][1]}, the "
-                                              f"on-policy estimator {on_policy['name']!r} per {level}; they share one loss")
         return dict(override)
     if not ESTIMATORS[on_policy["name"]][2]:
         return dict(on_policy)
