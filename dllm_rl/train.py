@@ -310,7 +310,28 @@ def train(
                             tokenizer=tokenizer)
     bar.close()
     tracker.close()
+    print_fn(run_summary(run_dir))
     return metrics
+
+
+def run_summary(run_dir: Path, window: int = 10) -> str:
+    """The closing lines of a run: training reward early against late, held-out accuracy before and after."""
+    from dllm_rl.analysis import eval_table, load_run, series
+
+    run = load_run(run_dir)
+    reward, evals = series(run, "reward/on_policy"), eval_table(run)
+    lines = [f"run {run_dir}: {int(run['metrics']['step'].max())} steps"]
+    if len(reward):
+        lines.append(f"  on-policy training reward: {reward.iloc[:window].mean():.3f} (first {min(window, len(reward))} "
+                     f"steps) -> {reward.iloc[-window:].mean():.3f} (last {min(window, len(reward))})")
+    external = series(run, "reward/external")
+    if len(external):
+        lines.append(f"  external rows per step: {series(run, 'external/rows').mean():.1f}, "
+                     f"their mean reward {external.mean():.3f}")
+    for key in [k for k in evals.columns if k in ("eval/pass@1", "eval/sampled_pass@1") or k.startswith("eval/best_of")]:
+        values = " -> ".join(f"{v:.3f}" for v in evals[key])
+        lines.append(f"  held-out {key[5:]} at steps {', '.join(map(str, evals['step']))}: {values}")
+    return "\n".join(lines)
 
 
 def source_metrics(rows: Rows) -> dict[str, float]:

@@ -92,6 +92,7 @@ def main() -> None:
     parser.add_argument("--eval-prompts", type=int, default=128)
     parser.add_argument("--out", default="runs/erils")
     parser.add_argument("--json", default="docs/erils_experiments.json")
+    parser.add_argument("--plot", default="docs/erils_rewards.png", help="reward curves per task and arm")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     args = parser.parse_args()
 
@@ -139,6 +140,29 @@ def main() -> None:
     Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "steps": args.steps, "runs": results,
                                            "table": table}, indent=1) + "\n")
     print(f"wrote {args.json}")
+    plot(results, args.tasks, args.plot)
+    print(f"wrote {args.plot}")
+
+
+def plot(results: list[dict], tasks: list[str], path: str) -> None:
+    """On-policy training reward (rolling mean of 5 steps, averaged over seeds) per arm, one panel per task."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        for arm in dict.fromkeys(r["arm"] for r in results if r["task"] == task):
+            curves = [pd.Series(r["reward_curve"]) for r in results if r["task"] == task and r["arm"] == arm]
+            mean = pd.concat(curves, axis=1).mean(axis=1).rolling(5, min_periods=1).mean()
+            ax.plot(range(1, len(mean) + 1), mean, label=arm)
+        ax.set_title(f"{task}: on-policy training reward (rolling 5, mean of seeds)")
+        ax.set_xlabel("step")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
 
 
 if __name__ == "__main__":
