@@ -40,6 +40,10 @@ ARMS: dict[str, list[str]] = {
     "erils_solver_joint": SOLVER + ["mixing.processing=joint"],
     "erils_solver_uncontrolled": SOLVER + ["external.trace_steps=-1", "mixing.length_rule=none"],
     "erils_ar_mean_field": AR + ["mixing.likelihood=null"],
+    # further options, in the second table of docs/erils.md
+    "erils_solver_all_failed": SOLVER + ["mixing.trigger=all_failed"],
+    "erils_solver_shaping": SOLVER + ["mixing.correction=shaping", "mixing.likelihood=null"],
+    "erils_ar_is": AR + ["mixing.correction=is"],
 }
 DEFAULT_ARMS = {
     "sudoku": ["grpo", "erils_solver", "erils_solver_joint", "erils_solver_uncontrolled", "erils_ar"],

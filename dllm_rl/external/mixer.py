@@ -138,16 +138,24 @@ class ExternalMixer:
         if not kept:
             return None, metrics
 
+        width = window if c.length_rule != "none" else max(window, max(len(i.ids) for _, i, _, _ in kept))
+        rows = self.to_rows(kept, prompt_texts, tokenizer, width, eos_id, max_length)
+        rows.mask_seeds = mask_seed_fn(len(rows))
+        return rows, metrics
+
+    def to_rows(self, kept: list[tuple], prompt_texts: list[str], tokenizer, width: int, eos_id: int,
+                max_length: int | None) -> Rows:
+        """The kept (prompt, bridged, reward, behaviour logp) tuples as buffer rows: each prompt in the dLLM's
+        tokens, left-padded, then a completion window of `width` holding the text and EOS fill."""
         encoded = [tokenizer(prompt_texts[b], add_special_tokens=False)["input_ids"] for b, *_ in kept]
         ids_EP, mask_EP = left_pad(encoded, tokenizer.pad_token_id)
         P = ids_EP.shape[1]
-        width = window if c.length_rule != "none" else max(window, max(len(i.ids) for _, i, _, _ in kept))
         if max_length is not None and P + width > max_length:
             raise ConfigError(f"external rollouts of up to {width} tokens after a {P}-token prompt exceed the dLLM's "
                               f"context of {max_length}; use mixing.length_rule=drop, truncate or shortest")
         window_EC = torch.tensor([window_row(i.ids, width, eos_id) for _, i, _, _ in kept], dtype=torch.long)
         behaviour = [lp for *_, lp in kept]
-        rows = Rows(
+        return Rows(
             source="external",
             ids_NL=torch.cat([ids_EP, window_EC], 1),
             attention_mask_NL=torch.cat([mask_EP, torch.ones_like(window_EC)], 1),
@@ -159,11 +167,10 @@ class ExternalMixer:
             texts=[i.text for _, i, _, _ in kept],
             version=-1,
             likelihood=self.likelihood,
-            behaviour_logp_N=torch.tensor(behaviour, dtype=torch.float64) if all(x is not None for x in behaviour) else None,
-            shaped=c.correction == "shaping",
+            behaviour_logp_N=(torch.tensor(behaviour, dtype=torch.float64)
+                              if all(x is not None for x in behaviour) else None),
+            shaped=self.config.correction == "shaping",
         )
-        rows.mask_seeds = mask_seed_fn(len(rows))
-        return rows, metrics
 
     # ------------------------------------------------------------------------------------ advantages
 

@@ -73,6 +73,14 @@ def test_drop_keeps_overlong_rollouts_out_and_truncate_rescores(char_tokenizer):
     assert rows.ids_NL.shape[1] - rows.prompt_length == len(templates[0].format(answer="x" * 16))
 
 
+def test_uncontrolled_rollouts_beyond_the_context_are_a_clear_error(char_tokenizer):
+    examples = SUDOKU.examples("train", 1, 0)
+    mixer = ExternalMixer(FixedSource(("x" * 200 + "<answer>{answer}</answer>",)),
+                          MixingConfig(per_prompt=1, length_rule="none"), {"name": "mean_field"})
+    with pytest.raises(ConfigError, match="exceed the dLLM's context of 128; use mixing.length_rule=drop"):
+        step_rows(mixer, char_tokenizer, torch.zeros(1, 2, dtype=torch.bool), examples)
+
+
 def test_external_rows_never_use_a_trajectory_estimator():
     assert external_likelihood({"name": "ordered", "group": 4}, None) == {"name": "left_to_right", "group": 4}
     assert external_likelihood({"name": "elbo", "num_masks": 2}, None) == {"name": "elbo", "num_masks": 2}
