@@ -23,7 +23,7 @@ from typing import Any, Callable
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from dllm_rl.errors import ConfigError, check_kwargs, did_you_mean, pick
 
@@ -174,6 +174,9 @@ def yaml_value(text: str) -> Any:
 def to_plain(cfg: DictConfig) -> dict[str, Any]:
     try:
         return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except MissingMandatoryValue as exc:
+        key = getattr(exc, "full_key", None) or "a key"
+        raise ConfigError(f"{key} has no value (the config says ???); set it with {key}=...") from None
     except OmegaConfBaseException as exc:
         raise ConfigError(str(exc).splitlines()[0]) from None
 

@@ -139,3 +139,8 @@ def test_model_commands_reject_bad_input(args, message, capsys, saved_dllm):
     args = [a.replace("SAVED", str(saved_dllm)) for a in args]
     assert cli.main(args) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_missing_mandatory_value_is_named(capsys):
+    assert cli.main(["train", "external=jsonl"]) == 2
+    assert "external.path has no value (the config says ???); set it with external.path=..." in capsys.readouterr().err
