@@ -41,20 +41,17 @@ class Bridged:
     truncated: bool = False
 
 
-def lost_characters(text: str, ids: Sequence[int], tokenizer) -> str:
-    """Characters of `text` that do not survive encoding with `tokenizer` (unk, dropped or normalised away)."""
-    special = set(tokenizer.all_special_ids)
-    decoded = tokenizer.decode([i for i in ids if i not in special], skip_special_tokens=True,
-                               clean_up_tokenization_spaces=False)
-    missing = Counter(text) - Counter(decoded)
-    return "".join(sorted(missing))
+def lost_characters(text: str, decoded: str) -> str:
+    """Characters of `text` missing from `decoded`, its round trip through a tokenizer (unk, dropped or
+    normalised away), sorted."""
+    return "".join(sorted(Counter(text) - Counter(decoded)))
 
 
 def bridge(text: str, tokenizer) -> Bridged:
     """Re-encode external `text` with the dLLM's tokenizer (no special tokens added)."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     decoded = tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-    return Bridged(tuple(ids), decoded, lost_characters(text, ids, tokenizer))
+    return Bridged(tuple(ids), decoded, lost_characters(text, decoded))
 
 
 def window_row(ids: Sequence[int], window: int, eos_id: int) -> list[int]:
