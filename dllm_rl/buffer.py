@@ -66,6 +66,7 @@ class Rows:
     adv_N: torch.Tensor | None = None
     weight_N: torch.Tensor | None = None  # loss weight per row (None = 1)
     shaped: bool = False  # LUFFY policy shaping instead of the clipped surrogate
+    inert: bool = False  # a stand-in row that is scored but counts for nothing (see `inert_rows`)
     mask_seeds: list[list[int]] = field(default_factory=list)  # [inner iteration][row]
     old_logp: list[torch.Tensor | None] = field(default_factory=list)  # [inner iteration] -> (N, C) or (N, 1)
     ref_logp: list[torch.Tensor | None] = field(default_factory=list)
@@ -90,6 +91,16 @@ class Rows:
 
     def score_all(self, policy, iteration: int) -> torch.Tensor:
         return self.score(policy, torch.arange(len(self)), iteration)[0]
+
+
+def inert_rows(like: Rows, source: str, likelihood: dict[str, Any]) -> Rows:
+    """One row of `source` that goes through every forward and backward but counts for nothing (mask 0,
+    weight 0, advantage 0). Under ZeRO-3 every forward gathers parameters collectively, so a rank with no
+    rows of a source that other ranks have scores this row instead, and all ranks make the same calls."""
+    return Rows(source, like.ids_NL[:1], like.attention_mask_NL[:1], like.prompt_length,
+                torch.zeros_like(like.mask_NC[:1]), None, like.prompt_N[:1], like.rewards[:1], like.texts[:1],
+                like.version, likelihood, adv_N=torch.zeros(1), weight_N=torch.zeros(1), inert=True,
+                mask_seeds=[[0] for _ in like.mask_seeds])
 
 
 def minibatch_plan(sizes: list[int], num_minibatches: int, mix: str, generator: torch.Generator) -> list[list[torch.Tensor]]:
@@ -117,22 +128,31 @@ def _pad_to(t: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, width - t.shape[1]))
 
 
-def loss_inputs(parts: list[Rows], picks: list[torch.Tensor], policy, iteration: int, reuse_current: bool) -> dict:
-    """The arguments of `grpo_loss` for one minibatch: each part scored on its picked rows, padded to one width."""
-    pieces = []
+def loss_inputs(parts: list[Rows], picks: list[torch.Tensor], policy, iteration: int, reuse_current: bool,
+                pad_empty: bool = False) -> tuple[dict, int]:
+    """(the arguments of `grpo_loss` for one minibatch, the number of stand-in rows among them): each part
+    scored on its picked rows, padded to one width. With `pad_empty` (ZeRO-3) a part with no rows in this
+    minibatch is scored on its row 0 with mask and weight 0, so every rank runs one forward per part."""
+    pieces, stand_ins = [], 0
     for part, rows in zip(parts, picks):
-        if len(rows) == 0:
+        inert = len(rows) == 0
+        if inert and not pad_empty:
             continue
+        if inert:
+            rows, stand_ins = torch.zeros(1, dtype=torch.long), stand_ins + 1
         logp, level_mask = part.score(policy, rows, iteration)
+        if inert:
+            level_mask = torch.zeros_like(level_mask)
         old = logp.detach() if reuse_current else part.old_logp[iteration][rows]
         ref = part.ref_logp[iteration][rows] if part.ref_logp and part.ref_logp[iteration] is not None else None
         weight = part.weight_N[rows] if part.weight_N is not None else torch.ones(len(rows))
+        weight = weight * (0.0 if inert else 1.0)
         pieces.append((logp.float(), old.float(), None if ref is None else ref.float(), part.adv_N[rows],
                        level_mask, weight, torch.full((len(rows),), part.shaped)))
     width = max(p[0].shape[1] for p in pieces)
     logp, old, ref, adv, mask, weight, shaped = zip(*pieces)
     has_ref = all(r is not None for r in ref)
-    return {
+    return ({
         "logp_NC": torch.cat([_pad_to(t, width) for t in logp]),
         "old_logp_NC": torch.cat([_pad_to(t, width) for t in old]),
         "ref_logp_NC": torch.cat([_pad_to(t, width) for t in ref]) if has_ref else None,
@@ -140,4 +160,4 @@ def loss_inputs(parts: list[Rows], picks: list[torch.Tensor], policy, iteration:
         "mask_NC": torch.cat([_pad_to(t, width) for t in mask]),
         "weights_N": torch.cat(weight),
         "shaped_N": torch.cat(shaped),
-    }
+    }, stand_ins)

@@ -1,11 +1,18 @@
 """Checkpoints that survive being killed mid-write, and finding the last complete one.
 
-A checkpoint is a directory `checkpoints/step_NNNNNN/` holding the model and its tokenizer (a model
-directory that `dllm-rl eval model=...` loads),
-`trainer_state.pt` (optimizer, LR schedule, RNG states, and the loop's own state: step, data position,
-counters) and a `COMPLETE` marker written last. It is assembled under a temporary name and renamed into
-place (an atomic rename on POSIX), then `checkpoints/latest` is rewritten the same way. A run killed at any
-moment therefore leaves either the new checkpoint whole or the previous one as the latest.
+A checkpoint is a directory `checkpoints/step_NNNNNN/` holding
+- the model and its tokenizer (a Hugging Face model directory that `dllm-rl eval model=...` loads; under
+  ZeRO-3 the full weights are gathered for the write),
+- `deepspeed/`: DeepSpeed's states, sharded per rank at ZeRO >= 1 (module, fp32 master weights, optimizer);
+  `dllm-rl export` consolidates them,
+- `reference/` when the KL reference is synced during training (`ref_sync_every`),
+- `trainer_state.pt`: the LR schedule, the RNG state, the loop's own state (step, data position, counters),
+  and the ZeRO stage and world size it was written with,
+- a `COMPLETE` marker written last.
+It is assembled under a temporary name and renamed into place by rank 0 (an atomic rename on POSIX), then
+`checkpoints/latest` is rewritten the same way. A run killed at any moment therefore leaves either the new
+checkpoint whole or the previous one as the latest. All ranks must see the run directory (a shared
+filesystem across nodes).
 """
 
 from __future__ import annotations
@@ -16,6 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from dllm_rl.engine import CHECKPOINT_TAG, Engine, barrier
+from dllm_rl.errors import ConfigError
 
 MARKER = "COMPLETE"
 
@@ -29,29 +39,36 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler, state: dict[str, Any],
-                    keep_last: int = 2, tokenizer=None) -> Path:
+def save_checkpoint(run_dir: str | Path, step: int, engine: Engine, scheduler, state: dict[str, Any],
+                    keep_last: int = 2, tokenizer=None, reference=None) -> Path:
+    """Every rank calls this; rank 0 writes the shared files and publishes the checkpoint."""
+    world = engine.world
     root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp_step_{step:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    model.save_pretrained(tmp)
-    if tokenizer is not None:  # so that a checkpoint is a model directory `dllm-rl eval` can load
-        tokenizer.save_pretrained(tmp)
-    torch.save({
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "torch_rng": torch.get_rng_state(),
-        "state": state,
-    }, tmp / "trainer_state.pt")
-    (tmp / MARKER).write_text(f"{step}\n")
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    _atomic_write(root / "latest", final.name + "\n")
-    for old in sorted(complete_checkpoints(run_dir))[:-keep_last] if keep_last > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+    if world.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier(world)
+    engine.save_checkpoint(tmp)
+    engine.save_model(tmp, tokenizer)  # so that a checkpoint is a model directory `dllm-rl eval` can load
+    if reference is not None:
+        engine.save_model(tmp / "reference", tokenizer, module=reference)
+    if world.is_main:
+        torch.save({
+            "scheduler": scheduler.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "state": state,
+            "stage": engine.stage,
+            "world_size": world.size,
+        }, tmp / "trainer_state.pt")
+        (tmp / MARKER).write_text(f"{step}\n")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _atomic_write(root / "latest", final.name + "\n")
+        for old in sorted(complete_checkpoints(run_dir))[:-keep_last] if keep_last > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier(world)
     return final
 
 
@@ -72,11 +89,19 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return complete[-1] if complete else None
 
 
-def load_trainer_state(path: Path, optimizer, scheduler) -> dict[str, Any]:
-    """Restore optimizer, schedule and RNG from a checkpoint; returns the loop's state dict. (The model is
-    loaded from the same directory with `from_pretrained` by the caller.)"""
+def load_trainer_state(path: Path, engine: Engine, scheduler) -> dict[str, Any]:
+    """Restore the engine (weights, optimizer), the schedule and the RNG from a checkpoint; returns the loop's
+    state dict. The ZeRO stage and the number of ranks must be those the checkpoint was written with."""
+    if not (path / CHECKPOINT_TAG).is_dir():
+        raise ConfigError(f"{path} has no {CHECKPOINT_TAG}/ states (written by an older dllm-rl?); start a new run "
+                          f"from its model directory with model={path}")
     saved = torch.load(path / "trainer_state.pt", weights_only=False)
-    optimizer.load_state_dict(saved["optimizer"])
+    if (saved["stage"], saved["world_size"]) != (engine.stage, engine.world.size):
+        raise ConfigError(
+            f"{path} was written at ZeRO stage {saved['stage']} with {saved['world_size']} rank(s); this run has "
+            f"stage {engine.stage} with {engine.world.size}. Resume with the same deepspeed stage and ranks, or "
+            f"`dllm-rl export checkpoint={path} output_dir=...` and start a new run from the exported model")
+    engine.load_checkpoint(path)
     scheduler.load_state_dict(saved["scheduler"])
     torch.set_rng_state(saved["torch_rng"])
     return saved["state"]

@@ -80,10 +80,24 @@ def run_train(cfg: dict[str, Any]) -> None:
     from dllm_rl.data import build_task
     from dllm_rl.train import train
 
+    from dllm_rl.engine import shutdown
+
     config = copy.deepcopy(cfg)
     task = build_task(**cfg.pop("task"))
     check_kwargs(train, cfg, "")
-    train(task, config=config, **cfg)
+    try:
+        train(task, config=config, **cfg)
+    except BaseException:
+        shutdown(clean=False)
+        raise
+    shutdown()
+
+
+def run_export(cfg: dict[str, Any]) -> None:
+    from dllm_rl.engine.export import export_checkpoint
+
+    check_kwargs(export_checkpoint, cfg, "")
+    export_checkpoint(**cfg)
 
 
 # name -> (what it does, config file, runner taking the resolved config as plain dicts)
@@ -93,6 +107,8 @@ COMMANDS: dict[str, tuple[str, str, Callable[[dict[str, Any]], None]]] = {
     "eval": ("pass@k, best-of-k, format rate and length of a model on a task", "eval", run_eval),
     "sft": ("fine-tune a dLLM or causal LM on a task's solver data", "sft", run_sft),
     "train": ("GRPO on a masked-diffusion policy (resume=<run dir> continues a run)", "train", run_train),
+    "export": ("consolidate a (ZeRO-sharded) training checkpoint into a Hugging Face model directory", "export",
+               run_export),
 }
 
 

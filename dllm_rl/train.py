@@ -19,7 +19,7 @@ How it departs from d1:
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import json
 import math
 import random
@@ -31,22 +31,28 @@ from typing import Any
 
 import torch
 from tqdm import tqdm
-from transformers import AutoModel
 
 from dllm_rl.algo.advantages import ADVANTAGE_FNS, compute_advantages
-from dllm_rl.algo.losses import grpo_loss
-from dllm_rl.buffer import (Rows, completion_mask, derive_seed, loss_inputs, minibatch_plan, num_minibatches,
-                            score_rollouts)
+from dllm_rl.algo.losses import aggregation_units, grpo_loss
+from dllm_rl.buffer import (Rows, completion_mask, derive_seed, inert_rows, loss_inputs, minibatch_plan,
+                            num_minibatches)
 from dllm_rl.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from dllm_rl.data.task import Example, Task, render_prompt
 from dllm_rl.errors import ConfigError, check_kwargs, pick, require
+from dllm_rl.engine import (ENGINE_OPTIONS, Engine, all_gather_objects, all_sum, any_rank, broadcast_object,
+                             deepspeed_config, gather_tensor, init_distributed, mean_metrics, partitioned_loading)
 from dllm_rl.evaluate import evaluate_task
 from dllm_rl.external.mixer import build_mixer
 from dllm_rl.likelihood.estimators import ESTIMATORS
-from dllm_rl.policy.adapters import load_policy, wrap_model
+from dllm_rl.policy.adapters import load_policy
 from dllm_rl.rollout.generate import TextGenerator
 from dllm_rl.rollout.sampler import completion_texts
 from dllm_rl.tracking import NullTracker, Tracker, console_line
+
+
+# Metrics that count rows or prompts: added up over data-parallel ranks (every other metric is averaged).
+COUNTS = tuple(f"external/{k}" for k in ("candidates", "too_long", "truncated", "unrepresentable", "incorrect",
+                                         "prompts", "rows"))
 
 
 class PromptStream:
@@ -99,6 +105,7 @@ def train(
     algo: dict[str, Any],
     external: dict[str, Any] | None = None,
     mixing: dict[str, Any] | None = None,
+    deepspeed: dict[str, Any] | None = None,
     run_dir: str | None = None,
     resume: str | None = None,
     steps: int = 30,
@@ -127,7 +134,8 @@ def train(
     print_fn=tqdm.write,
 ) -> dict[str, float]:
     """Run GRPO (with ERILS external rollouts unless `external.name` is none) on `task` from the dLLM at
-    `model`; returns the last step's metrics."""
+    `model`, on every rank of the process group (one process without a launcher); returns the last step's
+    metrics, averaged over ranks."""
     check_train_args(group_size, prompts_per_step, inner_iterations, minibatch_size, steps, lr, likelihood, algo)
     require(eval_samples >= 0, f"eval_samples must be >= 0, got {eval_samples}")
     advantage = algo.get("advantage", "mean")
@@ -138,28 +146,52 @@ def train(
     mixer = build_mixer(external, mixing, likelihood)
     if mixer is not None:
         loss_options["shaping_gamma"] = mixer.config.shaping_gamma
-    run_dir = Path(resume or run_dir or time.strftime(f"runs/{task.name}-%Y%m%d-%H%M%S"))
-    tracker = Tracker(run_dir, tensorboard=tensorboard)
-    checkpoint = latest_checkpoint(run_dir) if resume else None
-    require(resume is None or checkpoint is not None, f"resume={resume!r}: no complete checkpoint in {run_dir}/checkpoints")
+    ds_options = {k: v for k, v in (deepspeed or {}).items() if k != "name"}
+    timeout_s = ds_options.pop("timeout_s", 600)
+    unknown = sorted(set(ds_options) - set(ENGINE_OPTIONS))
+    require(not unknown, f"unknown config key(s) {['deepspeed.' + k for k in unknown]}; valid keys under 'deepspeed': "
+            f"{sorted(ENGINE_OPTIONS + ('timeout_s',))}")
+    deepspeed_config(**ds_options)  # bad stage / offload values fail here, before any process group exists
 
-    # ---- model, reference, optimizer
-    policy, tokenizer = load_policy(model)
-    reference = None
-    if loss_options.get("beta", 0.0) > 0:  # the frozen starting policy (synced every ref_sync_every steps)
-        reference = wrap_model(copy.deepcopy(policy.model).requires_grad_(False), policy.kind, tokenizer)
-    if checkpoint is not None:
-        policy = wrap_model(AutoModel.from_pretrained(checkpoint), policy.kind, tokenizer)
+    world = init_distributed(timeout_s)  # rank 0 of 1 without a launcher
+    main = world.is_main
+    print_fn = print_fn if main else (lambda *_: None)
+    # ---- this rank's share: whole prompt groups, so group statistics never cross ranks
+    require(prompts_per_step % world.size == 0, f"prompts_per_step={prompts_per_step} must be divisible by the "
+            f"number of ranks ({world.size}): each rank takes whole prompt groups")
+    B, G = prompts_per_step // world.size, group_size
+    first, N = world.rank * B, B * G  # global index of this rank's first prompt; its rollouts
+    minibatches = num_minibatches(prompts_per_step * G, minibatch_size)
+    require(minibatches <= N, f"minibatch_size={minibatch_size} makes {minibatches} minibatches per inner "
+            f"iteration, but a rank holds {N} rollouts; use minibatch_size >= {math.ceil(prompts_per_step * G / N)}")
+    run_dir = Path(broadcast_object(str(resume or run_dir or time.strftime(f"runs/{task.name}-%Y%m%d-%H%M%S")),
+                                    world))
+    tracker = Tracker(run_dir, tensorboard=tensorboard) if main else NullTracker()
+    checkpoint = latest_checkpoint(run_dir) if resume else None
+    require(resume is None or checkpoint is not None,
+            f"resume={resume!r}: no complete checkpoint in {run_dir}/checkpoints")
+
+    # ---- model, reference, engine (ZeRO-3 loads both partitioned)
+    ds_config = deepspeed_config(**ds_options, grad_clip=grad_clip, world_size=world.size,
+                                 micro_batch_size=math.ceil(minibatch_size / world.size))
+    reference_path = checkpoint / "reference" if checkpoint is not None else None
+    with partitioned_loading(ds_config):
+        policy, tokenizer = load_policy(model)
+        reference_net = None
+        if loss_options.get("beta", 0.0) > 0:  # the frozen starting policy (synced every ref_sync_every steps)
+            source = reference_path if reference_path is not None and reference_path.is_dir() else model
+            reference_net = load_policy(str(source), kind=policy.kind)[0].model
     net = policy.model.train()
     optimizer = torch.optim.AdamW(net.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(lr_schedule, warmup, steps))
+    engine = Engine(net, optimizer, world, ds_config)
+    policy = dataclasses.replace(policy, model=engine.ds)
+    reference = None if reference_net is None else dataclasses.replace(policy, model=engine.reference(reference_net))
     state = {"step": 0, "data_position": 0, "bad_steps": 0, "external_baseline": 0.0}
     if checkpoint is not None:
-        state = {**state, **load_trainer_state(checkpoint, optimizer, scheduler)}
-        if reference is not None and "reference" in state:
-            reference.model.load_state_dict(state.pop("reference"))
+        state = {**state, **load_trainer_state(checkpoint, engine, scheduler)}
         print_fn(f"resumed from {checkpoint} at step {state['step']}")
-    elif config is not None:
+    elif config is not None and main:
         (run_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     if mixer is not None:
         mixer.baseline = state["external_baseline"]
@@ -168,14 +200,22 @@ def train(
     sampler_settings = {k: v for k, v in rollout.items() if k != "name"}
     generator = TextGenerator(policy, tokenizer, **sampler_settings)
     greedy = TextGenerator(policy, tokenizer, **{**sampler_settings, "temperature": 0.0})
-    eos_id, B, G, N = policy.eos_id, prompts_per_step, group_size, prompts_per_step * group_size
+    eos_id = policy.eos_id
     max_length = getattr(net.config, "max_position_embeddings", None)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+    aggregation = loss_options.get("aggregation", "token")
+    importance = mixer is not None and mixer.config.correction == "is"
+    reuse_current = inner_iterations == 1 and minibatches == 1 and not importance
+    stand_ins = engine.stage == 3 and world.size > 1  # keep ZeRO-3 ranks' forwards in step (buffer.inert_rows)
+
+    def gather(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+        return gather_tensor(t, world)
 
     def evaluate(step: int) -> dict[str, float]:
-        """Greedy pass@1 on held-out prompts; with eval_samples = k, also k samples at the rollout temperature."""
+        """Greedy pass@1 on held-out prompts; with eval_samples = k, also k samples at the rollout temperature.
+        Every rank evaluates the same prompts (identical results): ZeRO-3 needs all ranks in the gather."""
         net.eval()
-        with autocast:
+        with autocast, engine.gathered():
             summary, _ = evaluate_task(greedy, task, num_prompts=eval_prompts, batch_size=64, seed=seed,
                                        tokenizer=tokenizer, print_fn=lambda *_: None)
             out = {"eval/pass@1": summary["pass@1"], "eval/reward": summary["reward_mean"],
@@ -188,10 +228,18 @@ def train(
         net.train()
         return out
 
-    def mask_seeds(source: str, rows: int) -> list[list[int]]:
-        """One estimator seed per (inner iteration, row): old, reference and current policy share the masks."""
+    def mask_seeds(source: str, rows: int, offset: int) -> list[list[int]]:
+        """One estimator seed per (inner iteration, global row): old, reference and current policy share them."""
         tag = () if source == "on_policy" else (source,)
-        return [[derive_seed(seed, "mask", step, it, *tag, n) for n in range(rows)] for it in range(inner_iterations)]
+        return [[derive_seed(seed, "mask", step, it, *tag, offset + n) for n in range(rows)]
+                for it in range(inner_iterations)]
+
+    def bad_update(step: int) -> None:
+        state["bad_steps"] += 1
+        warnings.warn(f"step {step}: non-finite loss or gradient; update skipped ({state['bad_steps']} in a row)")
+        if state["bad_steps"] >= max_bad_steps:
+            raise RuntimeError(f"stopping: {state['bad_steps']} non-finite updates in a row "
+                               f"(max_bad_steps={max_bad_steps})")
 
     if state["step"] == 0 and eval_every > 0:
         before = evaluate(0)
@@ -199,23 +247,24 @@ def train(
         print_fn(console_line(0, steps, before))
 
     metrics: dict[str, float] = {}
-    bar = tqdm(range(state["step"], steps), initial=state["step"], total=steps, desc="train", unit="step", disable=None)
+    bar = tqdm(range(state["step"], steps), initial=state["step"], total=steps, desc="train", unit="step",
+               disable=None if main else True)
     for step in bar:
         t0 = time.perf_counter()
-        # ---- 1. prompts, on-policy rollouts, rewards
-        examples = prompts.next(B)
+        # ---- 1. prompts (this rank's slice of the step's), on-policy rollouts, rewards
+        examples = prompts.next(prompts_per_step)[first:first + B]
         prompt_texts = [render_prompt(task.prompt(ex), tokenizer) for ex in examples]
         net.eval()
-        with autocast:
+        with autocast, engine.gathered():
             samples = generator.sample([t for t in prompt_texts for _ in range(G)],
-                                       [derive_seed(seed, "rollout", step, n) for n in range(N)])
+                                       [derive_seed(seed, "rollout", step, first * G + n) for n in range(N)])
         net.train()
         completions = completion_texts(tokenizer, samples.completion_BC, eos_id)
         rewards = [task.reward(text, examples[n // G]) for n, text in enumerate(completions)]
         on = Rows("on_policy", samples.sequences_BL, samples.attention_mask_BL, samples.prompt_length,
                   completion_mask(samples.completion_BC, eos_id), samples.unmask_step_BC,
                   torch.arange(B).repeat_interleave(G), rewards, completions, version=step, likelihood=likelihood)
-        on.mask_seeds = mask_seeds("on_policy", N)
+        on.mask_seeds = mask_seeds("on_policy", N, first * G)
         rewards_BG = on.rewards_N.view(B, G)
         t1 = time.perf_counter()
 
@@ -229,26 +278,30 @@ def train(
                 ext, ext_metrics = mixer.rows(step=step, seed=seed, task=task, examples=examples,
                                               prompt_texts=prompt_texts, correct_BG=correct_BG, tokenizer=tokenizer,
                                               window=generator.gen_length, eos_id=eos_id, max_length=max_length,
-                                              mask_seed_fn=lambda rows: mask_seeds("external", rows))
-            mixer.assign_advantages(on, ext, rewards_BG, advantage)
+                                              prompt_offset=first)
+            mixer.assign_advantages(on, ext, rewards_BG, advantage, gather=gather)
+            counts = all_gather_objects(len(ext) if ext is not None else 0, world)
+            if ext is not None:
+                ext.mask_seeds = mask_seeds("external", len(ext), sum(counts[:world.rank]))
+            elif stand_ins and any(counts):
+                ext = inert_rows(on, "external", mixer.likelihood)
         parts = [on] + ([ext] if ext is not None else [])
+        real_ext = ext if ext is not None and not ext.inert else None
         t2 = time.perf_counter()
 
         # ---- 3. old and reference log-probs under the stored mask seeds
-        minibatches = num_minibatches(N, minibatch_size)
-        importance = ext is not None and mixer.config.correction == "is"
-        reuse_current = inner_iterations == 1 and minibatches == 1 and not importance
         with torch.no_grad(), autocast:
             for part in parts:
-                part.old_logp = [None if reuse_current else part.score_all(policy, it) for it in range(inner_iterations)]
+                part.old_logp = [None if reuse_current else part.score_all(policy, it)
+                                 for it in range(inner_iterations)]
                 part.ref_logp = [None if reference is None else part.score_all(reference, it)
                                  for it in range(inner_iterations)]
         if importance:
-            ext_metrics.update(mixer.importance_weights(ext, ext.old_logp[0]))
+            ext_metrics.update(mixer.importance_weights(real_ext, gather))
         t3 = time.perf_counter()
 
-        # ---- 4. mu inner iterations of minibatch updates
-        informative = any(bool((part.adv_N != 0).any()) for part in parts)
+        # ---- 4. mu inner iterations of minibatch updates (every rank makes the same number of steps)
+        informative = any_rank(any(bool((part.adv_N != 0).any()) for part in parts), world)
         mix = mixer.config.minibatch_mix if mixer is not None else "stratified"
         loss_metrics: list[dict[str, float]] = []
         updates = 0
@@ -256,61 +309,64 @@ def train(
             shuffle = torch.Generator().manual_seed(derive_seed(seed, "minibatch", step, it))
             for picks in minibatch_plan([len(part) for part in parts], minibatches, mix, shuffle):
                 with autocast:
-                    inputs = loss_inputs(parts, picks, policy, it, reuse_current)
+                    inputs, padded = loss_inputs(parts, picks, policy, it, reuse_current, pad_empty=stand_ins)
                 loss, lm = grpo_loss(**inputs, **loss_options)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(net.parameters(), grad_clip)
-                if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
-                    state["bad_steps"] += 1
-                    warnings.warn(f"step {step}: non-finite loss or gradient; update skipped "
-                                  f"({state['bad_steps']} in a row)")
-                    optimizer.zero_grad(set_to_none=True)
-                    if state["bad_steps"] >= max_bad_steps:
-                        raise RuntimeError(f"stopping: {state['bad_steps']} non-finite updates in a row "
-                                           f"(max_bad_steps={max_bad_steps})")
+                if world.size > 1:  # weigh by this rank's share of the minibatch's units (tokens or rows)
+                    units = aggregation_units(inputs["mask_NC"], aggregation)
+                    total = all_sum([units - (padded if aggregation == "constant" else 0)], world)[0]
+                    share = world.size * units / total if total > 0 else 0.0
+                    loss = loss * share  # the mean over ranks is then the loss over all ranks' rows
+                    lm = {**lm, "loss/policy": lm["loss/policy"] * share, "loss/kl": lm["loss/kl"] * share}
+                if any_rank(not bool(torch.isfinite(loss)), world):
+                    bad_update(step)
+                    continue
+                engine.backward(loss)
+                grad_norm = engine.step()
+                if grad_norm is None:
+                    bad_update(step)
                     continue
                 state["bad_steps"] = 0
-                optimizer.step()
                 updates += 1
-                loss_metrics.append({**lm, "policy/grad_norm": float(grad_norm)})
+                loss_metrics.append({**lm, "policy/grad_norm": grad_norm})
         with warnings.catch_warnings():  # a step without an update still advances the schedule, on purpose
             warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
             scheduler.step()
         if reference is not None and ref_sync_every > 0 and (step + 1) % ref_sync_every == 0:
-            reference.model.load_state_dict(net.state_dict())
+            engine.sync_reference(reference.model)
         t4 = time.perf_counter()
 
-        # ---- 5. metrics, samples, evaluation, checkpoint
+        # ---- 5. metrics (averaged over ranks), samples, evaluation, checkpoint
         metrics = {
-            **source_metrics(on), **(source_metrics(ext) if ext is not None else {}), **ext_metrics,
+            **source_metrics(on), **(source_metrics(real_ext) if real_ext is not None else {}), **ext_metrics,
             "reward/accuracy": sum(r.correct for r in rewards) / N,
             "reward/format": sum(r.formatted for r in rewards) / N,
             "reward/zero_std_groups": float((rewards_BG.std(-1) == 0).float().mean()),
             "policy/updates": float(updates),
             "policy/lr": scheduler.get_last_lr()[0],
-            "perf/rollout_s": t1 - t0, "perf/external_s": t2 - t1, "perf/score_s": t3 - t2, "perf/update_s": t4 - t3,
+            "perf/rollout_s": t1 - t0, "perf/external_s": t2 - t1, "perf/score_s": t3 - t2,
+            "perf/update_s": t4 - t3,
             "perf/tokens_per_s": float(on.lengths_N.sum()) / max(t1 - t0, 1e-9),
         }
         for key in loss_metrics[0] if loss_metrics else []:
             metrics[key] = sum(m[key] for m in loss_metrics) / len(loss_metrics)
+        metrics = mean_metrics(metrics, world, summed=COUNTS)
         state.update(step=step + 1, data_position=prompts.position,
                      external_baseline=mixer.baseline if mixer is not None else 0.0)
         if eval_every > 0 and ((step + 1) % eval_every == 0 or step + 1 == steps):
             metrics.update(evaluate(step + 1))
         tracker.log(step + 1, metrics)
         if sample_every > 0 and (step % sample_every == 0 or step + 1 == steps):
-            tracker.samples(step + 1, sample_rows(on, prompt_texts, every=G) + sample_rows(ext, prompt_texts, every=1))
+            tracker.samples(step + 1, sample_rows(on, prompt_texts, every=G)
+                            + sample_rows(real_ext, prompt_texts, every=1))
         print_fn(console_line(step + 1, steps, metrics))
         if checkpoint_every > 0 and ((step + 1) % checkpoint_every == 0 or step + 1 == steps):
-            saved = dict(state)
-            if reference is not None and ref_sync_every > 0:
-                saved["reference"] = reference.model.state_dict()
-            save_checkpoint(run_dir, step + 1, net, optimizer, scheduler, saved, keep_last=keep_checkpoints,
-                            tokenizer=tokenizer)
+            synced_reference = reference.model if reference is not None and ref_sync_every > 0 else None
+            save_checkpoint(run_dir, step + 1, engine, scheduler, dict(state), keep_last=keep_checkpoints,
+                            tokenizer=tokenizer, reference=synced_reference)
     bar.close()
     tracker.close()
-    print_fn(run_summary(run_dir))
+    if main:
+        print_fn(run_summary(run_dir))
     return metrics
 
 

@@ -90,8 +90,9 @@ def test_four_steps_equal_two_plus_resume_plus_two(saved_model, tmp_path):
     ta = torch.load(latest_checkpoint(straight) / "trainer_state.pt", weights_only=False)
     tb = torch.load(latest_checkpoint(split) / "trainer_state.pt", weights_only=False)
     assert ta["state"] == tb["state"] and ta["state"]["step"] == 4
-    for k, v in ta["optimizer"]["state"][0].items():
-        assert torch.equal(v, tb["optimizer"]["state"][0][k])
+    oa, ob = (torch.load(latest_checkpoint(run) / "deepspeed" / "mp_rank_00_model_states.pt",
+                         weights_only=False)["optimizer"]["state"] for run in (straight, split))
+    assert oa and all(torch.equal(v, ob[p][k]) for p in oa for k, v in oa[p].items() if torch.is_tensor(v))
 
 
 @pytest.mark.slow
@@ -123,7 +124,7 @@ from dllm_rl.data import build_task
 from dllm_rl.train import train
 real_save = torch.save
 def dying_save(obj, path, *a, **k):
-    if obj["state"]["step"] == 4:  # the second checkpoint: write half a file, then die
+    if isinstance(obj, dict) and "torch_rng" in obj and obj["state"]["step"] == 4:  # the second checkpoint: write half a file, then die
         open(path, "wb").write(b"partial")
         os.kill(os.getpid(), signal.SIGKILL)
     return real_save(obj, path, *a, **k)

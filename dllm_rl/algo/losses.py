@@ -152,6 +152,18 @@ def aggregate(loss_NC: torch.Tensor, mask_NC: torch.Tensor, how: str, constant: 
     return fn(masked_NC, mask_NC.to(loss_NC.dtype), constant)
 
 
+def aggregation_units(mask_NC: torch.Tensor, how: str) -> float:
+    """What `aggregate` divides by, less the constant: counted tokens ("token"), rows with a counted token
+    ("sequence") or rows ("constant"). A data-parallel rank scales its loss by world_size * its units / all
+    ranks' units, so that the mean of the ranks' gradients is the gradient of the loss over all rows."""
+    pick(AGGREGATIONS, how, "loss aggregation")
+    if how == "token":
+        return float((mask_NC != 0).sum())
+    if how == "sequence":
+        return float(((mask_NC != 0).sum(dim=1) > 0).sum())
+    return float(mask_NC.shape[0])
+
+
 def grpo_loss(
     logp_NC: torch.Tensor,
     old_logp_NC: torch.Tensor,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -29,6 +29,13 @@ from dllm_rl.likelihood.estimators import ESTIMATORS
 from dllm_rl.rollout.sampler import left_pad
 
 KEEP = ("correct", "all")
+
+# (this rank's tensor) -> (the concatenation over ranks in rank order, where this rank's part starts)
+Gather = Callable[[torch.Tensor], tuple[torch.Tensor, int]]
+
+
+def local_only(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    return t, 0
 
 
 @dataclass
@@ -93,14 +100,17 @@ class ExternalMixer:
 
     def rows(self, *, step: int, seed: int, task: Task, examples: list[Example], prompt_texts: list[str],
              correct_BG: torch.Tensor, tokenizer, window: int, eos_id: int, max_length: int | None,
-             mask_seed_fn) -> tuple[Rows | None, dict[str, float]]:
-        """The step's external rows (None if no prompt fired or nothing survived) and their metrics."""
+             prompt_offset: int = 0) -> tuple[Rows | None, dict[str, float]]:
+        """The step's external rows (None if no prompt fired or nothing survived) and their metrics. The caller
+        sets their `mask_seeds`. `prompt_offset` is the global index of `examples[0]` among the step's prompts
+        (nonzero on data-parallel ranks > 0): trigger and source seeds depend on the global index only."""
         c = self.config
-        uniform_B = torch.tensor([derive_seed(seed, "trigger", step, b) / 2**63 for b in range(len(examples))])
+        uniform_B = torch.tensor([derive_seed(seed, "trigger", step, prompt_offset + b) / 2**63
+                                  for b in range(len(examples))])
         fire_B = mixing.triggered(correct_BG, c.trigger, step=step, decay_steps=c.decay_steps, uniform_B=uniform_B)
         chosen = fire_B.nonzero().squeeze(-1).tolist()
         asked = c.per_prompt * c.candidates
-        seeds = [[derive_seed(seed, "external", step, b, j) for j in range(asked)] for b in chosen]
+        seeds = [[derive_seed(seed, "external", step, prompt_offset + b, j) for j in range(asked)] for b in chosen]
         got = self.source.rollouts(task, [examples[b] for b in chosen], asked, seeds) if chosen else []
 
         kept: list[tuple[int, Any, Any, float | None]] = []  # (prompt, bridged, reward, behaviour logp)
@@ -139,9 +149,7 @@ class ExternalMixer:
             return None, metrics
 
         width = window if c.length_rule != "none" else max(window, max(len(i.ids) for _, i, _, _ in kept))
-        rows = self.to_rows(kept, prompt_texts, tokenizer, width, eos_id, max_length)
-        rows.mask_seeds = mask_seed_fn(len(rows))
-        return rows, metrics
+        return self.to_rows(kept, prompt_texts, tokenizer, width, eos_id, max_length), metrics
 
     def to_rows(self, kept: list[tuple], prompt_texts: list[str], tokenizer, width: int, eos_id: int,
                 max_length: int | None) -> Rows:
@@ -174,8 +182,10 @@ class ExternalMixer:
 
     # ------------------------------------------------------------------------------------ advantages
 
-    def assign_advantages(self, on: Rows, ext: Rows | None, rewards_BG: torch.Tensor, advantage: str) -> None:
-        """Set `adv_N` (and `weight_N` of the external rows) for the step, per `processing` and `statistic`."""
+    def assign_advantages(self, on: Rows, ext: Rows | None, rewards_BG: torch.Tensor, advantage: str,
+                          gather: Gather = local_only) -> None:
+        """Set `adv_N` (and `weight_N` of the external rows) for the step, per `processing` and `statistic`.
+        The running baseline moves by the mean over all ranks' external rewards (`gather`)."""
         c = self.config
         ext_rewards = ext.rewards_N if ext is not None else torch.zeros(0)
         ext_prompt = ext.prompt_N if ext is not None else torch.zeros(0, dtype=torch.long)
@@ -189,19 +199,29 @@ class ExternalMixer:
         if ext is not None:
             ext.adv_N = adv_ext.to(torch.float32)
             ext.weight_N = torch.full((len(ext),), c.weight)
-        self.baseline = mixing.running_baseline(self.baseline, ext_rewards, c.baseline_decay)
+        self.baseline = mixing.running_baseline(self.baseline, gather(ext_rewards)[0], c.baseline_decay)
 
-    def importance_weights(self, ext: Rows, old_logp: torch.Tensor) -> dict[str, float]:
-        """Multiply the external rows' weights by the capped importance weights pi_old / mu (correction=is)."""
+    def importance_weights(self, ext: Rows | None, gather: Gather = local_only) -> dict[str, float]:
+        """Multiply the external rows' weights by the capped importance weights pi_old / mu (correction=is),
+        computed over the step's rows on all ranks (`gather`; every rank calls this, with rows or without)."""
+        if ext is None:
+            log_w_all, _ = gather(torch.zeros(0, dtype=torch.float64))
+            return self._weights_metrics(log_w_all)[1]
         require(ext.behaviour_logp_N is not None,
                 f"mixing.correction=is needs the behaviour log-prob of every external rollout; source "
                 f"{self.source.name!r} did not give one for all (a JSONL source needs 'behaviour_logp' on each line)")
+        old_logp = ext.old_logp[0]
         per_token = ESTIMATORS[ext.likelihood["name"]][1] == "token"
         level_logp_N = (old_logp * ext.mask_NC).sum(-1) if per_token else old_logp[:, 0]
-        w_N, metrics = mixing.importance_weights(level_logp_N.double(), ext.behaviour_logp_N, cap=self.config.is_cap,
+        log_w_all, start = gather(level_logp_N.double() - ext.behaviour_logp_N)
+        w_all, metrics = self._weights_metrics(log_w_all)
+        ext.weight_N = ext.weight_N * w_all[start:start + len(ext)].float()
+        return metrics
+
+    def _weights_metrics(self, log_w_N: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        w_N, metrics = mixing.importance_weights(log_w_N, torch.zeros_like(log_w_N), cap=self.config.is_cap,
                                                  self_normalize=self.config.is_self_normalize)
-        ext.weight_N = ext.weight_N * w_N.float()
-        return {f"external/{k}": v for k, v in metrics.items()}
+        return w_N, {f"external/{k}": v for k, v in metrics.items()}
 
 
 def build_mixer(external: dict[str, Any] | None, mixing_options: dict[str, Any] | None,

@@ -69,7 +69,9 @@ def mean_field(policy, ids_NL, attention_mask_NL, prompt_length: int, *, seeds_N
     noisy_NL = ids_NL.clone()
     noisy_NL[:, P:] = policy.mask_id
     prompt_real_NP = attention_mask_NL[:, :P].bool()
-    u_NP = torch.stack([torch.rand(P, generator=g) for g in _generators(seeds_N)])
+    # drawn from the last prompt token backwards, so the mask of a prompt does not depend on how much left
+    # padding its batch gave it (data-parallel ranks pad their own rows)
+    u_NP = torch.stack([torch.rand(P, generator=g).flip(0) for g in _generators(seeds_N)])
     noisy_NL[:, :P] = ids_NL[:, :P].masked_fill((u_NP < prompt_mask_prob) & prompt_real_NP, policy.mask_id)
     return _token_logp(policy, noisy_NL, attention_mask_NL, ids_NL[:, P:], P)
 

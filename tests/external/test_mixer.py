@@ -31,9 +31,12 @@ class FixedSource:
 
 def step_rows(mixer, tokenizer, correct_BG, examples, window=40):
     texts = [render_prompt(SUDOKU.prompt(ex), tokenizer) for ex in examples]
-    return mixer.rows(step=0, seed=0, task=SUDOKU, examples=examples, prompt_texts=texts, correct_BG=correct_BG,
-                      tokenizer=tokenizer, window=window, eos_id=tokenizer.eos_token_id, max_length=128,
-                      mask_seed_fn=lambda n: [list(range(n))])
+    rows, metrics = mixer.rows(step=0, seed=0, task=SUDOKU, examples=examples, prompt_texts=texts,
+                               correct_BG=correct_BG, tokenizer=tokenizer, window=window,
+                               eos_id=tokenizer.eos_token_id, max_length=128)
+    if rows is not None:
+        rows.mask_seeds = [list(range(len(rows)))]
+    return rows, metrics
 
 
 def test_all_failed_trigger_adds_rows_only_for_failed_prompts(char_tokenizer):

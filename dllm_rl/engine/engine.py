@@ -1,0 +1,148 @@
+"""The learner's DeepSpeed engine: one object for every ZeRO stage and for one process or many.
+
+`Engine` wraps `deepspeed.initialize` around the policy network and a client torch AdamW (no DeepSpeed op
+is compiled), and gives the training loop the few verbs it needs: `backward`, `step` (which returns the
+gradient norm or None when it skipped a non-finite update), `gathered()` for generation, checkpoint
+save/load, `save_model` (a consolidated Hugging Face model directory) and a frozen reference copy.
+
+ZeRO-3 specifics:
+- parameters live partitioned (shape (0,) outside a gather). Scoring and training forwards go through
+  DeepSpeed's hooks, which gather layer by layer. A denoising rollout runs S forwards, so the trainer wraps
+  the whole rollout in `gathered()`: one all-gather per rollout instead of one per layer per step. Every
+  rank must call it, and the denoising sampler always runs its fixed number of steps, so ranks make the
+  same calls whatever their prompts;
+- the reference model is its own inference-only engine, partitioned the same way (no full copy per rank),
+  and `sync_reference` copies the policy's partitions into it without gathering.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dllm_rl.engine.dist import World, any_rank, barrier
+
+CHECKPOINT_TAG = "deepspeed"  # the sub-directory of a checkpoint holding DeepSpeed's (sharded) states
+
+
+class Engine:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world: World, config: dict[str, Any]):
+        """`config` from `deepspeed_config`; `optimizer` a torch optimizer over `model`'s parameters."""
+        import deepspeed
+
+        self.world, self.config = world, config
+        self.stage = config["zero_optimization"]["stage"]
+        self.ds, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.ds.module
+
+    # ------------------------------------------------------------------------------------ generation
+
+    def gathered(self):
+        """Full parameters on every rank for the duration (ZeRO-3); a no-op at the other stages."""
+        return gather_parameters(self.module, self.stage)
+
+    # ------------------------------------------------------------------------------------ update
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.ds.backward(loss)
+
+    def step(self) -> float | None:
+        """Clip (per the config) and step; returns the pre-clip global gradient norm, or None when it is
+        non-finite on any rank and the update was skipped (stage 0, where gradients are whole on every rank).
+        At stages 1-3 the norm is only known after DeepSpeed's step, so a non-finite one raises instead."""
+        if self.stage == 0:
+            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+            if any_rank(not torch.isfinite(torch.tensor(norm)), self.world):
+                self.ds.zero_grad()
+                return None
+            self.ds.step()
+            return norm
+        self.ds.step()
+        norm = self.ds.get_global_grad_norm()
+        norm = 0.0 if norm is None else float(norm)
+        if not torch.isfinite(torch.tensor(norm)):
+            raise RuntimeError(f"non-finite gradient norm {norm} at ZeRO stage {self.stage}: the update was applied "
+                               f"and the weights are no longer trustworthy; resume from the last checkpoint")
+        return norm
+
+    def zero_grad(self) -> None:
+        self.ds.zero_grad()
+
+    # ------------------------------------------------------------------------------------ reference
+
+    def reference(self, model: torch.nn.Module) -> torch.nn.Module:
+        """A frozen copy of the policy for the KL term: an inference-only engine at stage 3 (partitioned like
+        the policy), else the module itself. `model` must hold the same weights as the policy."""
+        model.requires_grad_(False).eval()
+        if self.stage != 3:
+            return model
+        import deepspeed
+
+        config = {k: v for k, v in self.config.items() if k not in ("gradient_clipping",)}
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        engine.eval()
+        return engine
+
+    def sync_reference(self, reference: torch.nn.Module) -> None:
+        """Copy the policy's current weights into the reference (each rank its own partitions at stage 3)."""
+        if self.stage == 3:
+            with torch.no_grad():
+                for ref_p, p in zip(reference.module.parameters(), self.module.parameters()):
+                    ref_p.ds_tensor.copy_(p.ds_tensor)
+        else:
+            reference.load_state_dict(self.module.state_dict())
+
+    # ------------------------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, directory: Path) -> None:
+        """DeepSpeed's states (module, optimizer partitions) under directory/deepspeed; every rank calls it."""
+        self.ds.save_checkpoint(str(directory), tag=CHECKPOINT_TAG, save_latest=False)
+
+    def load_checkpoint(self, directory: Path) -> None:
+        path, _ = self.ds.load_checkpoint(str(directory), tag=CHECKPOINT_TAG, load_optimizer_states=True,
+                                          load_lr_scheduler_states=False)
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed states under {directory}/{CHECKPOINT_TAG}")
+
+    def save_model(self, directory: Path, tokenizer=None, module: torch.nn.Module | None = None) -> None:
+        """A Hugging Face model directory of the full weights of the policy (or of `module`, e.g. the reference),
+        written by rank 0; every rank calls it."""
+        module = self.module if module is None else getattr(module, "module", module)
+        with gather_parameters(module, self.stage):
+            if self.world.is_main:
+                module.save_pretrained(directory)
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(directory)
+        barrier(self.world)
+
+
+def gather_parameters(module: torch.nn.Module, stage: int):
+    """All of `module`'s parameters whole on every rank for the duration (ZeRO-3 only)."""
+    if stage != 3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
+
+
+@contextlib.contextmanager
+def partitioned_loading(config: dict[str, Any]):
+    """Under ZeRO-3, models loaded with `from_pretrained` inside this block are created partitioned
+    (transformers' DeepSpeed integration runs `deepspeed.zero.Init`), so no rank ever holds a full copy."""
+    if config["zero_optimization"]["stage"] != 3:
+        yield
+        return
+    from transformers.integrations import HfDeepSpeedConfig
+
+    keep = HfDeepSpeedConfig(config)  # transformers holds a weak reference: alive for the block only
+    try:
+        yield
+    finally:
+        del keep

@@ -1,0 +1,65 @@
+"""`dllm-rl export`: a training checkpoint's DeepSpeed states consolidated into a Hugging Face model directory.
+
+At ZeRO >= 1 the fp32 master weights live in per-rank optimizer shards; DeepSpeed's `zero_to_fp32` joins them
+(on one CPU process, no launcher). At stage 0 the module states hold the whole model. The weights are
+loaded into a model built from the checkpoint's config and saved with its tokenizer, so the result loads
+with `from_pretrained` (and `dllm-rl eval model=...`) anywhere.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModel
+
+from dllm_rl.checkpoint import latest_checkpoint
+from dllm_rl.data.tokenizers import load_tokenizer
+from dllm_rl.engine.engine import CHECKPOINT_TAG
+from dllm_rl.errors import ConfigError, require
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory, or a run directory (its latest complete checkpoint)."""
+    path = Path(path)
+    if (path / "checkpoints").is_dir():
+        found = latest_checkpoint(path)
+        require(found is not None, f"checkpoint={str(path)!r}: the run has no complete checkpoint")
+        path = found
+    require((path / CHECKPOINT_TAG).is_dir(), f"checkpoint={str(path)!r}: expected a training checkpoint directory "
+            f"(checkpoints/step_NNNNNN, with a {CHECKPOINT_TAG}/ folder) or a run directory")
+    return path
+
+
+def consolidated_state_dict(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The full fp32 weights of a checkpoint, from whichever ZeRO stage wrote it."""
+    states = checkpoint / CHECKPOINT_TAG
+    if any(states.glob("*optim_states.pt")):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=CHECKPOINT_TAG)
+    return torch.load(states / "mp_rank_00_model_states.pt", weights_only=False, map_location="cpu")["module"]
+
+
+def export_checkpoint(checkpoint: str, output_dir: str, print_fn=print) -> Path:
+    source, out = resolve_checkpoint(checkpoint), Path(output_dir)
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"output_dir={output_dir!r} exists and is not empty; choose a new directory")
+    config = AutoConfig.from_pretrained(source, trust_remote_code=True)
+    model = AutoModel.from_config(config, trust_remote_code=True)
+    state = consolidated_state_dict(source)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {k for k in missing if getattr(config, "tie_word_embeddings", False) and "lm_head" in k}
+    if set(missing) - tied or unexpected:
+        raise ConfigError(f"{source}: the consolidated weights do not fit the model of its config.json "
+                          f"(missing {sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]})")
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    load_tokenizer(str(source), "checkpoint", trust_remote_code=True).save_pretrained(tmp)
+    if out.exists():
+        out.rmdir()
+    tmp.rename(out)
+    print_fn(f"exported {source} ({sum(t.numel() for t in state.values()) / 1e6:.2f}M parameters) to {out}")
+    return out

@@ -1,0 +1,84 @@
+"""Run under `torchrun --nproc_per_node 2` by tests/engine/test_distributed.py (and alone, for the
+single-process baseline): short training runs at each ZeRO stage, a ZeRO-3 resume, a ZeRO-3 rollout, and the
+live logits of a ZeRO-3 engine restored from a checkpoint. Results go to files under OUT; the test compares.
+
+usage: dist_worker.py OUT MODEL (train STAGE... | resume | rollout | logits CHECKPOINT)
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from dllm_rl.data import build_task
+from dllm_rl.engine import Engine, deepspeed_config, init_distributed, partitioned_loading, shutdown
+from dllm_rl.policy.adapters import load_policy
+from dllm_rl.rollout.generate import TextGenerator
+
+# ERILS with the solver on arithmetic: an untrained model earns no reward, the solver's rows carry the
+# signal; trigger=schedule fires for a random share of the prompts after step 0, so ranks get unequal external
+# rows; beta > 0 keeps a reference model (partitioned at stage 3), synced at step 2 and saved with it.
+SETTINGS = dict(
+    rollout={"gen_length": 32, "block_length": 16, "steps": 16, "temperature": 1.0},
+    likelihood={"name": "mean_field"},
+    algo={"advantage": "mean", "beta": 0.04},
+    external={"name": "solver"},
+    mixing={"per_prompt": 1, "trigger": "schedule", "decay_steps": 3, "keep": "correct"},
+    prompts_per_step=4, group_size=2, minibatch_size=8, eval_every=0, sample_every=0, tensorboard=False,
+    lr=1e-3, bf16=False, ref_sync_every=2, checkpoint_every=2, print_fn=lambda *_: None,
+)
+PROMPTS = ["12+7=", "3*4=", "9-5=", "8+8="]
+
+
+def run_train(out: Path, model: str, stage: int, steps: int = 2, resume: bool = False) -> None:
+    from dllm_rl.train import train
+
+    run = out / f"zero{stage}"
+    train(build_task("arithmetic"), model=model, deepspeed={"stage": stage}, steps=steps,
+          **({"resume": str(run)} if resume else {"run_dir": str(run)}), **SETTINGS)
+
+
+def engine_for(model: str, stage: int, world):
+    config = deepspeed_config(stage=stage, world_size=world.size)
+    with partitioned_loading(config):
+        policy, tokenizer = load_policy(model)
+    net = policy.model
+    engine = Engine(net, torch.optim.AdamW(net.parameters(), lr=1e-3), world, config)
+    return engine, policy, tokenizer
+
+
+def main(out: Path, model: str, command: str, *args: str) -> None:
+    world = init_distributed(timeout_s=60)
+    if command == "train":
+        for stage in map(int, args):
+            run_train(out, model, stage)
+    elif command == "resume":  # zero3 ran 2 steps; continue to 3, and run 3 straight for comparison
+        run_train(out, model, 3, steps=3, resume=True)
+        straight = out / "straight"
+        straight.mkdir(exist_ok=True)
+        run_train(straight, model, 3, steps=3)
+    elif command == "rollout":  # one ZeRO-3 rollout per rank (different prompts), gathered once
+        engine, policy, tokenizer = engine_for(model, 3, world)
+        import dataclasses
+
+        generator = TextGenerator(dataclasses.replace(policy, model=engine.ds), tokenizer, gen_length=16,
+                                  block_length=8, steps=8, temperature=1.0)
+        rows = PROMPTS[world.rank * 2:(world.rank + 1) * 2]
+        with engine.gathered():
+            samples = generator.sample(rows, [11 + world.rank * 2 + i for i in range(2)])
+        torch.save(samples.completion_BC, out / f"rollout_rank{world.rank}.pt")
+    elif command == "logits":  # a live ZeRO-3 engine restored from a checkpoint
+        engine, policy, tokenizer = engine_for(model, 3, world)
+        engine.load_checkpoint(Path(args[0]))
+        ids = torch.tensor([tokenizer("12+7=19", add_special_tokens=False)["input_ids"]])
+        with torch.no_grad():
+            logits = engine.ds(input_ids=ids).logits
+        if world.is_main:
+            torch.save(logits, out / "live_logits.pt")
+    (out / f"done_{command}_rank{world.rank}.json").write_text(json.dumps({"world": world.size}))
+    shutdown()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2], *sys.argv[3:])
