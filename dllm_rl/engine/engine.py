@@ -11,8 +11,8 @@ ZeRO-3 specifics:
   the whole rollout in `gathered()`: one all-gather per rollout instead of one per layer per step. Every
   rank must call it, and the denoising sampler always runs its fixed number of steps, so ranks make the
   same calls whatever their prompts;
-- the reference model is its own inference-only engine, partitioned the same way (no full copy per rank),
-  and `sync_reference` copies the policy's partitions into it without gathering.
+- the reference model is its own inference-only engine, partitioned the same way (no full copy per rank);
+  `sync_reference` copies the policy into it one gathered parameter at a time.
 """
 
 from __future__ import annotations
@@ -91,13 +91,19 @@ class Engine:
         return engine
 
     def sync_reference(self, reference: torch.nn.Module) -> None:
-        """Copy the policy's current weights into the reference (each rank its own partitions at stage 3)."""
-        if self.stage == 3:
-            with torch.no_grad():
-                for ref_p, p in zip(reference.module.parameters(), self.module.parameters()):
-                    ref_p.ds_tensor.copy_(p.ds_tensor)
-        else:
+        """Copy the policy's current weights into the reference. At stage 3 one parameter at a time is
+        gathered (never the whole model), copied on rank 0 and re-partitioned from there; copying the local
+        partitions alone would miss the small parameters ZeRO-3 keeps whole on every rank."""
+        if self.stage != 3:
             reference.load_state_dict(self.module.state_dict())
+            return
+        import deepspeed
+
+        with torch.no_grad():
+            for ref_p, p in zip(reference.module.parameters(), self.module.parameters()):
+                with deepspeed.zero.GatheredParameters([p]), deepspeed.zero.GatheredParameters([ref_p], modifier_rank=0):
+                    if self.world.is_main:
+                        ref_p.data.copy_(p.data)
 
     # ------------------------------------------------------------------------------------ checkpoints
 

@@ -2,17 +2,18 @@
 single-process baseline): short training runs at each ZeRO stage, a ZeRO-3 resume, a ZeRO-3 rollout, and the
 live logits of a ZeRO-3 engine restored from a checkpoint. Results go to files under OUT; the test compares.
 
-usage: dist_worker.py OUT MODEL (train STAGE... | resume | rollout | logits CHECKPOINT)
+usage: dist_worker.py OUT MODEL (train STAGE... | resume | rollout | logits CHECKPOINT | hang)
 """
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 from dllm_rl.data import build_task
-from dllm_rl.engine import Engine, deepspeed_config, init_distributed, partitioned_loading, shutdown
+from dllm_rl.engine import Engine, all_sum, deepspeed_config, init_distributed, partitioned_loading, shutdown
 from dllm_rl.policy.adapters import load_policy
 from dllm_rl.rollout.generate import TextGenerator
 
@@ -49,7 +50,11 @@ def engine_for(model: str, stage: int, world):
 
 
 def main(out: Path, model: str, command: str, *args: str) -> None:
-    world = init_distributed(timeout_s=60)
+    world = init_distributed(timeout_s=5 if command == "hang" else 60)
+    if command == "hang":  # rank 1 never joins the collective: rank 0 must fail with a timeout, not hang
+        if world.rank == 1:
+            time.sleep(120)
+        all_sum([1.0], world)
     if command == "train":
         for stage in map(int, args):
             run_train(out, model, stage)
