@@ -21,9 +21,15 @@ LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_A
 pytestmark = pytest.mark.slow
 
 
-def launch(out: Path, model: str, *command: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without any rank variables (a launcher sets its own), the venv's tools first."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PATH=f"{Path(sys.executable).parent}:{env.get('PATH', '')}")
+    return {**env, **extra}
+
+
+def launch(out: Path, model: str, *command: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = clean_env()
     args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
             str(WORKER), str(out), model, *command]
     return subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
@@ -133,3 +139,21 @@ def test_a_rank_that_stops_answering_fails_the_run_with_a_timeout(tmp_path):
     assert result.returncode != 0
     assert time.perf_counter() - start < 90  # rank 0's collective timed out after 5 s; rank 1 was torn down
     assert "timed out" in (result.stdout + result.stderr).lower()
+
+
+@pytest.mark.parametrize("script, count", [("launch_deepspeed.sh", "NUM_GPUS"), ("launch_torchrun.sh", "NPROC")])
+def test_launcher_scripts_train_with_two_cpu_processes(runs, script, count):
+    """The real CLI under each launcher: Hydra overrides and the deepspeed launcher's --local_rank coexist."""
+    root, _, _ = runs
+    run = root / script
+    overrides = [f"model={root / 'model'}", f"run_dir={run}", "task=arithmetic", "steps=1", "prompts_per_step=2",
+                 "group_size=2", "minibatch_size=4", "rollout.gen_length=32", "rollout.block_length=16",
+                 "rollout.steps=16", "eval_every=0", "tensorboard=false", "deepspeed=zero2", "mixing.per_prompt=1"]
+    env = clean_env(**{count: "2", "MASTER_PORT": str(free_port())})
+    result = subprocess.run(["bash", str(WORKER.parents[2] / "scripts" / script), *overrides], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    (line,) = metrics(run)
+    assert line["step"] == 1 and line["external/rows"] == 2  # one solver row per prompt, over both ranks
+    state = torch.load(run / "checkpoints" / "step_000001" / "trainer_state.pt", weights_only=False)
+    assert state["world_size"] == 2 and state["stage"] == 2
