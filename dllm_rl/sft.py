@@ -24,6 +24,7 @@ from dllm_rl.data.task import Task, render_completion, render_prompt
 from dllm_rl.errors import ConfigError, require
 from dllm_rl.policy.adapters import DiffusionPolicy
 from dllm_rl.policy.schedule import MaskingSchedule
+from dllm_rl.precision import resolve_bf16
 from dllm_rl.rollout.sampler import left_pad
 
 
@@ -147,7 +148,7 @@ def train_sft(
     weight_decay: float = 0.01,
     grad_clip: float = 1.0,
     seed: int = 0,
-    bf16: bool = True,
+    bf16: bool | str = "auto",
     log_every: int = 100,
     print_fn=print,
 ) -> list[dict[str, Any]]:
@@ -159,13 +160,14 @@ def train_sft(
     rng = random.Random(seed)
     generator = torch.Generator().manual_seed(seed)
     log, running, start = [], [], time.perf_counter()
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=resolve_bf16(bf16))
     bar = tqdm(range(steps), desc="sft", unit="step", disable=None)
     for step in bar:
         for group in optimizer.param_groups:
             group["lr"] = cosine_lr(step, steps, warmup, lr)
         batch = rng.sample(list(examples), batch_size) if len(examples) < 4 * batch_size else [
             examples[rng.randrange(len(examples))] for _ in range(batch_size)]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with autocast:
             loss = loss_fn(batch, generator)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -184,7 +186,7 @@ def train_sft(
 
 def run_sft(task: Task, *, model: str, kind: str = "auto", output_dir: str = "runs/sft", examples: int = 5000,
             with_steps: bool = True, gen_length: int = 64, weighting: str = "elbo", steps: int = 200,
-            batch_size: int = 32, lr: float = 1e-4, warmup: int = 20, seed: int = 0, bf16: bool = True,
+            batch_size: int = 32, lr: float = 1e-4, warmup: int = 20, seed: int = 0, bf16: bool | str = "auto",
             print_fn=print) -> list[dict[str, Any]]:
     """`dllm-rl sft`: fine-tune a local dLLM (masked-diffusion SFT) or causal LM (causal SFT), save it."""
     from dllm_rl.rollout.generate import load_generator

@@ -44,7 +44,8 @@ from dllm_rl.engine import (ENGINE_OPTIONS, Engine, all_gather_objects, all_sum,
 from dllm_rl.evaluate import evaluate_task
 from dllm_rl.external.mixer import build_mixer
 from dllm_rl.likelihood.estimators import ESTIMATORS
-from dllm_rl.policy.adapters import load_policy
+from dllm_rl.policy.adapters import hidden_size_of, load_policy
+from dllm_rl.precision import resolve_bf16
 from dllm_rl.rollout.generate import TextGenerator
 from dllm_rl.rollout.sampler import completion_texts
 from dllm_rl.tracking import NullTracker, Tracker, console_line
@@ -118,7 +119,7 @@ def train(
     warmup: int = 0,
     weight_decay: float = 0.0,
     grad_clip: float = 1.0,
-    bf16: bool = True,
+    bf16: bool | str = "auto",
     seed: int = 0,
     train_pool: int = 5000,
     eval_every: int = 10,
@@ -152,6 +153,7 @@ def train(
     require(not unknown, f"unknown config key(s) {['deepspeed.' + k for k in unknown]}; valid keys under 'deepspeed': "
             f"{sorted(ENGINE_OPTIONS + ('timeout_s',))}")
     deepspeed_config(**ds_options)  # bad stage / offload values fail here, before any process group exists
+    use_bf16 = resolve_bf16(bf16)
 
     world = init_distributed(timeout_s)  # rank 0 of 1 without a launcher
     main = world.is_main
@@ -173,7 +175,8 @@ def train(
 
     # ---- model, reference, engine (ZeRO-3 loads both partitioned)
     ds_config = deepspeed_config(**ds_options, grad_clip=grad_clip, world_size=world.size,
-                                 micro_batch_size=math.ceil(minibatch_size / world.size))
+                                 micro_batch_size=math.ceil(minibatch_size / world.size),
+                                 hidden_size=hidden_size_of(model))
     reference_path = checkpoint / "reference" if checkpoint is not None else None
     with partitioned_loading(ds_config):
         policy, tokenizer = load_policy(model)
@@ -202,7 +205,7 @@ def train(
     greedy = TextGenerator(policy, tokenizer, **{**sampler_settings, "temperature": 0.0})
     eos_id = policy.eos_id
     max_length = getattr(net.config, "max_position_embeddings", None)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16)
     aggregation = loss_options.get("aggregation", "token")
     importance = mixer is not None and mixer.config.correction == "is"
     reuse_current = inner_iterations == 1 and minibatches == 1 and not importance

@@ -20,6 +20,7 @@ assumes of a checkpoint:
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -111,6 +112,16 @@ def wrap_model(model, kind: str, tokenizer=None) -> DiffusionPolicy:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else pad_id
         eos_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else eos_id
     return DiffusionPolicy(model, kind, resolve_mask_id(config, tokenizer, kind), pad_id, eos_id)
+
+
+def hidden_size_of(path: str) -> int | None:
+    """The width of a checkpoint's residual stream from its config.json (`hidden_size`; LLaDA's `d_model`),
+    without importing its code; None when the file or the field is missing."""
+    config_file = Path(path).expanduser() / "config.json"
+    if not config_file.is_file():
+        return None
+    config = json.loads(config_file.read_text())
+    return config.get("hidden_size") or config.get("d_model")
 
 
 def load_policy(path: str, kind: str = "auto", dtype: str = "float32", device: str = "cpu"):

@@ -22,12 +22,22 @@ def test_config_from_flat_arguments():
     assert plain["zero_optimization"] == {"stage": 0} and plain["bf16"] == {"enabled": False}
 
 
+def test_buckets_follow_the_hidden_size():
+    zero = deepspeed_config(stage=3, hidden_size=100)["zero_optimization"]
+    assert zero["reduce_bucket_size"] == 10_000 and zero["stage3_prefetch_bucket_size"] == 9_000
+    assert zero["stage3_param_persistence_threshold"] == 1_000
+    zero = deepspeed_config(stage=2, hidden_size=100)["zero_optimization"]
+    assert zero["reduce_bucket_size"] == 10_000 and "stage3_prefetch_bucket_size" not in zero
+    assert "reduce_bucket_size" not in deepspeed_config(stage=3)["zero_optimization"]  # DeepSpeed's defaults
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"stage": 4}, "deepspeed.stage must be one of (0, 1, 2, 3), got 4"),
     ({"stage": 0, "offload_optimizer": "cpu"}, "offload_optimizer='cpu' needs stage >= 1"),
     ({"stage": 2, "offload_params": "cpu"}, "offload_params='cpu' needs stage 3"),
     ({"offload_params": "nvme"}, "deepspeed.offload_params must be one of ('none', 'cpu'), got 'nvme'"),
     ({"micro_batch_size": 0}, "micro_batch_size must be >= 1, got 0"),
+    ({"hidden_size": 0}, "hidden_size must be >= 1 or None, got 0"),
 ])
 def test_bad_config_values_are_named(kwargs, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

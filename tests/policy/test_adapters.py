@@ -133,3 +133,12 @@ def test_native_wrap_and_bad_inputs(tiny_policy, tmp_path):
     with pytest.raises(ConfigError, match="unknown dtype 'float16'"):
         tiny_policy.model.save_pretrained(tmp_path / "m")
         load_policy(str(tmp_path / "m"), dtype="float16")
+
+
+def test_hidden_size_read_from_the_config_file(tmp_path):
+    from dllm_rl.policy.adapters import hidden_size_of
+
+    assert hidden_size_of("models/tiny-dllm") == 256
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llada", "d_model": 4096}))
+    assert hidden_size_of(str(tmp_path)) == 4096  # LLaDA names it d_model
+    assert hidden_size_of(str(tmp_path / "missing")) is None
