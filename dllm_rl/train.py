@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import random
 import re
 import time
@@ -87,6 +88,13 @@ def check_train_args(group_size: int, prompts_per_step: int, inner_iterations: i
     require(algo.get("eps_low", 1) > 0, f"algo.eps_low must be > 0, got {algo.get('eps_low')}")
     require(algo.get("eps_high", 1) > 0, f"algo.eps_high must be > 0, got {algo.get('eps_high')}")
     require(algo.get("beta", 0) >= 0, f"algo.beta must be >= 0, got {algo.get('beta')}")
+
+
+def require_cpu_accelerator() -> None:
+    """The trainer keeps its batches on the CPU; DeepSpeed would move the model to a GPU where there is one."""
+    on_gpu = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
+    require(not on_gpu, "dllm-rl train runs on the CPU for now (its batches are not placed on GPUs yet); this "
+            "machine has a GPU, so set DS_ACCELERATOR=cpu to train on its CPU")
 
 
 def lr_lambda(schedule: str, warmup: int, total: int):
@@ -155,6 +163,7 @@ def train(
     deepspeed_config(**ds_options)  # bad stage / offload values fail here, before any process group exists
     use_bf16 = resolve_bf16(bf16)
 
+    require_cpu_accelerator()
     world = init_distributed(timeout_s)  # rank 0 of 1 without a launcher
     main = world.is_main
     print_fn = print_fn if main else (lambda *_: None)

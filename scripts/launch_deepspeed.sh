@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # `dllm-rl train` under the deepspeed launcher. Arguments are the usual key=value overrides.
+# The trainer places its batches on CPUs only for now (docs/deepspeed.md): GPU lines are the launch recipe.
 #
 #   one node, 8 GPUs:   NUM_GPUS=8 scripts/launch_deepspeed.sh deepspeed=zero2 model=/ckpt/LLaDA-8B-Instruct
 #   several nodes:      HOSTFILE=hostfile MASTER_ADDR=node0 scripts/launch_deepspeed.sh deepspeed=zero3 ...

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # `dllm-rl train` under torchrun. Arguments are the usual key=value overrides.
+# The trainer places its batches on CPUs only for now (docs/deepspeed.md): GPU lines are the launch recipe.
 #
 #   one node, 8 GPUs:   NPROC=8 scripts/launch_torchrun.sh deepspeed=zero2 model=/ckpt/LLaDA-8B-Instruct
 #   several nodes:      run on every node with NNODES=4 NODE_RANK=<0..3> MASTER_ADDR=node0 NPROC=8

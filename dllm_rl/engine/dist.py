@@ -69,15 +69,16 @@ def init_distributed(timeout_s: float = 600.0) -> World:
         os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    on_gpu = os.environ.get("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu") != "cpu"
     import deepspeed
 
     quiet_deepspeed()
     if os.environ.get("DLLM_RL_DS_SHM") != "1":
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = "nccl" if on_gpu else "gloo"
     deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
                                auto_mpi_discovery=False)
-    if torch.cuda.is_available():
+    if on_gpu:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     return World(dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"]))
 

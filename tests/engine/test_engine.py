@@ -87,3 +87,14 @@ def test_zero3_offload_trains_in_one_process(saved_model, tmp_path):
     with pytest.raises(ConfigError, match="written at ZeRO stage 3 with 1 rank"):
         train(build_task("arithmetic"), model=saved_model, resume=str(run), steps=3,
               **{**options, "deepspeed": {"stage": 0}})
+
+
+def test_a_gpu_machine_is_told_to_train_on_its_cpu(monkeypatch):
+    from dllm_rl.train import require_cpu_accelerator
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    with pytest.raises(ConfigError, match="set DS_ACCELERATOR=cpu to train on its CPU"):
+        require_cpu_accelerator()
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    require_cpu_accelerator()
