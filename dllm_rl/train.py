@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import random
 import re
 import time
@@ -41,7 +40,8 @@ from dllm_rl.checkpoint import latest_checkpoint, load_trainer_state, save_check
 from dllm_rl.data.task import Example, Task, render_prompt
 from dllm_rl.errors import ConfigError, check_kwargs, pick, require
 from dllm_rl.engine import (ENGINE_OPTIONS, Engine, all_gather_objects, all_sum, any_rank, broadcast_object,
-                             deepspeed_config, gather_tensor, init_distributed, mean_metrics, partitioned_loading)
+                             deepspeed_config, gather_tensor, init_distributed, mean_metrics, on_gpu,
+                             partitioned_loading)
 from dllm_rl.evaluate import evaluate_task
 from dllm_rl.external.mixer import build_mixer
 from dllm_rl.likelihood.estimators import ESTIMATORS
@@ -92,8 +92,7 @@ def check_train_args(group_size: int, prompts_per_step: int, inner_iterations: i
 
 def require_cpu_accelerator() -> None:
     """The trainer keeps its batches on the CPU; DeepSpeed would move the model to a GPU where there is one."""
-    on_gpu = torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
-    require(not on_gpu, "dllm-rl train runs on the CPU for now (its batches are not placed on GPUs yet); this "
+    require(not on_gpu(), "dllm-rl train runs on the CPU for now (its batches are not placed on GPUs yet); this "
             "machine has a GPU, so set DS_ACCELERATOR=cpu to train on its CPU")
 
 

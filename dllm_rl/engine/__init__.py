@@ -4,7 +4,7 @@ Nothing else in the package imports deepspeed."""
 
 from dllm_rl.engine.config import OFFLOAD_DEVICES, STAGES, deepspeed_config
 from dllm_rl.engine.dist import (World, all_gather_objects, all_sum, any_rank, barrier, broadcast_object,
-                                 gather_tensor, init_distributed, mean_metrics, shutdown)
+                                 gather_tensor, init_distributed, mean_metrics, on_gpu, shutdown)
 from dllm_rl.engine.engine import CHECKPOINT_TAG, Engine, gather_parameters, partitioned_loading
 
 # The options of the `deepspeed` config group that reach `deepspeed_config` (timeout_s goes to the process group).

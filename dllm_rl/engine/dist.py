@@ -59,6 +59,11 @@ def single_process_environment() -> dict[str, str]:
             MARKER: f"{os.getpid()}:{port}"}
 
 
+def on_gpu() -> bool:
+    """Whether DeepSpeed's accelerator is a GPU here: CUDA is present and DS_ACCELERATOR does not say cpu."""
+    return torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
+
+
 def init_distributed(timeout_s: float = 600.0) -> World:
     """Join (or create) the default process group; returns this process's place in it."""
     if dist.is_available() and dist.is_initialized():
@@ -69,16 +74,16 @@ def init_distributed(timeout_s: float = 600.0) -> World:
         os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    on_gpu = os.environ.get("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu") != "cpu"
     import deepspeed
 
     quiet_deepspeed()
     if os.environ.get("DLLM_RL_DS_SHM") != "1":
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    backend = "nccl" if on_gpu else "gloo"
+    gpu = on_gpu()
+    backend = "nccl" if gpu else "gloo"
     deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
                                auto_mpi_discovery=False)
-    if on_gpu:
+    if gpu:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     return World(dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"]))
 
