@@ -218,6 +218,10 @@ def train(
     importance = mixer is not None and mixer.config.correction == "is"
     reuse_current = inner_iterations == 1 and minibatches == 1 and not importance
     stand_ins = engine.stage == 3 and world.size > 1  # keep ZeRO-3 ranks' forwards in step (buffer.inert_rows)
+    require(not (stand_ins and mixer is not None and mixer.config.length_rule == "none"),
+            f"mixing.length_rule=none with deepspeed stage 3 on {world.size} ranks: a rank without external rows "
+            f"scores a stand-in of the dLLM's window while the others score wider rows, so their forwards (and "
+            f"ZeRO-3's collectives) would differ; use mixing.length_rule=drop, truncate or shortest")
 
     def gather(t: torch.Tensor) -> tuple[torch.Tensor, int]:
         return gather_tensor(t, world)
@@ -289,7 +293,8 @@ def train(
                 ext, ext_metrics = mixer.rows(step=step, seed=seed, task=task, examples=examples,
                                               prompt_texts=prompt_texts, correct_BG=correct_BG, tokenizer=tokenizer,
                                               window=generator.gen_length, eos_id=eos_id, max_length=max_length,
-                                              prompt_offset=first)
+                                              prompt_offset=first,
+                                              widest=lambda n: max(all_gather_objects(n, world)))
             mixer.assign_advantages(on, ext, rewards_BG, advantage, gather=gather)
             counts = all_gather_objects(len(ext) if ext is not None else 0, world)
             if ext is not None:

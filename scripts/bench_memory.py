@@ -192,7 +192,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2, help="rows per rank per step")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--bf16", default="auto", type=lambda v: {"true": True, "false": False}.get(v, v),
+    parser.add_argument("--bf16", default="auto", type=lambda v: {"true": True, "false": False}.get(v.lower(), v),
                         help="autocast forwards to bf16: auto (where the CPU has native bf16) | true | false")
     parser.add_argument("--out", default="bench_memory.json")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

@@ -53,9 +53,11 @@ class Engine:
         self.ds.backward(loss)
 
     def step(self) -> float | None:
-        """Clip (per the config) and step; returns the pre-clip global gradient norm, or None when it is
-        non-finite on any rank and the update was skipped (stage 0, where gradients are whole on every rank).
-        At stages 1-3 the norm is only known after DeepSpeed's step, so a non-finite one raises instead."""
+        """Clip (per the config) and step; returns the pre-clip global gradient norm, or None when it was
+        non-finite on any rank and the update was skipped. At stage 0 the gradients are whole on every rank and
+        the norm is checked here; at stages 1-3 DeepSpeed's ZeRO optimizer checks it and skips the step itself
+        (counted in `skipped_steps`). A non-finite norm whose update was applied all the same (possible in
+        DeepSpeed's bf16 mode) raises."""
         if self.stage == 0:
             grads = [p.grad for p in self.module.parameters() if p.grad is not None]
             norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
@@ -64,7 +66,10 @@ class Engine:
                 return None
             self.ds.step()
             return norm
+        skipped = self.ds.skipped_steps
         self.ds.step()
+        if self.ds.skipped_steps > skipped:
+            return None
         norm = self.ds.get_global_grad_norm()
         norm = 0.0 if norm is None else float(norm)
         if not torch.isfinite(torch.tensor(norm)):

@@ -100,10 +100,12 @@ class ExternalMixer:
 
     def rows(self, *, step: int, seed: int, task: Task, examples: list[Example], prompt_texts: list[str],
              correct_BG: torch.Tensor, tokenizer, window: int, eos_id: int, max_length: int | None,
-             prompt_offset: int = 0) -> tuple[Rows | None, dict[str, float]]:
+             prompt_offset: int = 0, widest: Callable[[int], int] = lambda n: n) -> tuple[Rows | None, dict[str, float]]:
         """The step's external rows (None if no prompt fired or nothing survived) and their metrics. The caller
         sets their `mask_seeds`. `prompt_offset` is the global index of `examples[0]` among the step's prompts
-        (nonzero on data-parallel ranks > 0): trigger and source seeds depend on the global index only."""
+        (nonzero on data-parallel ranks > 0): trigger and source seeds depend on the global index only.
+        `widest` maps this rank's longest kept rollout to the longest over all ranks (called on every rank with
+        length_rule=none), so the window, and every estimator draw shaped by it, is the single-process one."""
         c = self.config
         uniform_B = torch.tensor([derive_seed(seed, "trigger", step, prompt_offset + b) / 2**63
                                   for b in range(len(examples))])
@@ -145,10 +147,11 @@ class ExternalMixer:
         metrics["external/rows"] = float(len(kept))
         if source_lengths:
             metrics["external/candidate_len"] = sum(source_lengths) / len(source_lengths)
+        width = window
+        if c.length_rule == "none":
+            width = max(window, widest(max((len(i.ids) for _, i, _, _ in kept), default=0)))
         if not kept:
             return None, metrics
-
-        width = window if c.length_rule != "none" else max(window, max(len(i.ids) for _, i, _, _ in kept))
         return self.to_rows(kept, prompt_texts, tokenizer, width, eos_id, max_length), metrics
 
     def to_rows(self, kept: list[tuple], prompt_texts: list[str], tokenizer, width: int, eos_id: int,

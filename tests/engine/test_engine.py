@@ -98,3 +98,29 @@ def test_a_gpu_machine_is_told_to_train_on_its_cpu(monkeypatch):
         require_cpu_accelerator()
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     require_cpu_accelerator()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_a_non_finite_gradient_skips_the_update_at_every_stage(stage, char_tokenizer):
+    """At stages 1-3 DeepSpeed's ZeRO optimizer skips the step itself; the engine reports the skip (None),
+    leaves the weights as they were, and the next finite step applies."""
+    from tests.conftest import make_tiny_dllm
+    from dllm_rl.engine import Engine, init_distributed
+
+    model = make_tiny_dllm(char_tokenizer).model.train()
+    world = init_distributed()
+    engine = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-2), world,
+                    deepspeed_config(stage=stage, micro_batch_size=1))
+    ids = torch.randint(5, 50, (1, 12))
+    with engine.gathered():
+        before = [p.detach().clone() for p in engine.module.parameters()]
+    engine.backward(engine.ds(input_ids=ids).logits.float().mean() * float("nan"))
+    assert engine.step() is None
+    with engine.gathered():
+        assert all(torch.equal(b, p) for b, p in zip(before, engine.module.parameters()))
+    engine.zero_grad()
+    engine.backward(engine.ds(input_ids=ids).logits.float().logsumexp(-1).mean())
+    norm = engine.step()
+    assert norm is not None and norm > 0
+    with engine.gathered():
+        assert any(not torch.equal(b, p) for b, p in zip(before, engine.module.parameters()))

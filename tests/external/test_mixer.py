@@ -74,6 +74,12 @@ def test_drop_keeps_overlong_rollouts_out_and_truncate_rescores(char_tokenizer):
                                  {"name": "mean_field"})
     rows, _ = step_rows(uncontrolled, char_tokenizer, correct_BG, examples)
     assert rows.ids_NL.shape[1] - rows.prompt_length == len(templates[0].format(answer="x" * 16))
+    # on data-parallel ranks the window is the widest over all ranks (`widest` stands in for the all-gather)
+    texts = [render_prompt(SUDOKU.prompt(ex), char_tokenizer) for ex in examples]
+    rows, _ = uncontrolled.rows(step=0, seed=0, task=SUDOKU, examples=examples, prompt_texts=texts,
+                                correct_BG=correct_BG, tokenizer=char_tokenizer, window=40,
+                                eos_id=char_tokenizer.eos_token_id, max_length=128, widest=lambda n: n + 7)
+    assert rows.ids_NL.shape[1] - rows.prompt_length == len(templates[0].format(answer="x" * 16)) + 7
 
 
 def test_uncontrolled_rollouts_beyond_the_context_are_a_clear_error(char_tokenizer):
