@@ -119,6 +119,15 @@ def minibatch_plan(sizes: list[int], num_minibatches: int, mix: str, generator: 
     return plan
 
 
+def rank_plan(global_sizes: list[int], starts: list[int], local_sizes: list[int], num_minibatches: int, mix: str,
+              generator: torch.Generator) -> list[list[torch.Tensor]]:
+    """`minibatch_plan` over all ranks' rows, restricted to this rank's: part p's rows here are its global rows
+    [starts[p], starts[p] + local_sizes[p]). Every rank draws the single-process plan, so each minibatch holds
+    the rows a single process would put in it; a rank may hold none of a part's rows in a minibatch."""
+    plan = minibatch_plan(global_sizes, num_minibatches, mix, generator)
+    return [[idx[(idx >= s) & (idx < s + n)] - s for idx, s, n in zip(picks, starts, local_sizes)] for picks in plan]
+
+
 def num_minibatches(on_policy_rows: int, minibatch_size: int) -> int:
     """Minibatches per inner iteration: set by the on-policy rows; external rows are spread over them."""
     return math.ceil(on_policy_rows / minibatch_size)
@@ -131,8 +140,9 @@ def _pad_to(t: torch.Tensor, width: int) -> torch.Tensor:
 def loss_inputs(parts: list[Rows], picks: list[torch.Tensor], policy, iteration: int, reuse_current: bool,
                 pad_empty: bool = False) -> tuple[dict, int]:
     """(the arguments of `grpo_loss` for one minibatch, the number of stand-in rows among them): each part
-    scored on its picked rows, padded to one width. With `pad_empty` (ZeRO-3) a part with no rows in this
-    minibatch is scored on its row 0 with mask and weight 0, so every rank runs one forward per part."""
+    scored on its picked rows, padded to one width. With `pad_empty` (several ranks) a part with no rows in
+    this minibatch is scored on its row 0 with mask and weight 0, so every rank runs one forward per part
+    (ZeRO-3's forwards are collective) and a rank never has an empty minibatch."""
     pieces, stand_ins = [], 0
     for part, rows in zip(parts, picks):
         inert = len(rows) == 0

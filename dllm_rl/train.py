@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from dllm_rl.algo.advantages import ADVANTAGE_FNS, compute_advantages
 from dllm_rl.algo.losses import aggregation_units, grpo_loss
-from dllm_rl.buffer import (Rows, completion_mask, derive_seed, inert_rows, loss_inputs, minibatch_plan,
+from dllm_rl.buffer import (Rows, completion_mask, derive_seed, inert_rows, loss_inputs, rank_plan,
                             num_minibatches)
 from dllm_rl.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from dllm_rl.data.task import Example, Task, render_prompt
@@ -217,8 +217,8 @@ def train(
     aggregation = loss_options.get("aggregation", "token")
     importance = mixer is not None and mixer.config.correction == "is"
     reuse_current = inner_iterations == 1 and minibatches == 1 and not importance
-    stand_ins = engine.stage == 3 and world.size > 1  # keep ZeRO-3 ranks' forwards in step (buffer.inert_rows)
-    require(not (stand_ins and mixer is not None and mixer.config.length_rule == "none"),
+    stand_ins = world.size > 1  # a rank short of a source's rows scores a stand-in (buffer.inert_rows)
+    require(not (stand_ins and engine.stage == 3 and mixer is not None and mixer.config.length_rule == "none"),
             f"mixing.length_rule=none with deepspeed stage 3 on {world.size} ranks: a rank without external rows "
             f"scores a stand-in of the dLLM's window while the others score wider rows, so their forwards (and "
             f"ZeRO-3's collectives) would differ; use mixing.length_rule=drop, truncate or shortest")
@@ -284,7 +284,7 @@ def train(
         t1 = time.perf_counter()
 
         # ---- 2. external rollouts (ERILS) and every row's advantage
-        ext, ext_metrics = None, {}
+        ext, ext_metrics, counts = None, {}, [0] * world.size
         if mixer is None:
             on.adv_N = compute_advantages(rewards_BG, advantage).reshape(N)
         else:
@@ -317,13 +317,18 @@ def train(
         t3 = time.perf_counter()
 
         # ---- 4. mu inner iterations of minibatch updates (every rank makes the same number of steps)
+        # every rank draws the single-process minibatch plan over all ranks' rows and keeps its own
+        global_sizes, starts, local_sizes = [N * world.size], [first * G], [N]
+        if len(parts) > 1:
+            global_sizes, starts, local_sizes = (global_sizes + [sum(counts)], starts + [sum(counts[:world.rank])],
+                                                 local_sizes + [counts[world.rank]])
         informative = any_rank(any(bool((part.adv_N != 0).any()) for part in parts), world)
         mix = mixer.config.minibatch_mix if mixer is not None else "stratified"
         loss_metrics: list[dict[str, float]] = []
         updates = 0
         for it in range(inner_iterations) if informative else []:
             shuffle = torch.Generator().manual_seed(derive_seed(seed, "minibatch", step, it))
-            for picks in minibatch_plan([len(part) for part in parts], minibatches, mix, shuffle):
+            for picks in rank_plan(global_sizes, starts, local_sizes, minibatches, mix, shuffle):
                 with autocast:
                     inputs, padded = loss_inputs(parts, picks, policy, it, reuse_current, pad_empty=stand_ins)
                 loss, lm = grpo_loss(**inputs, **loss_options)

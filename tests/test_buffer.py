@@ -1,8 +1,9 @@
 """The step buffer's minibatch plan and loss-input assembly across sources."""
 
+import pytest
 import torch
 
-from dllm_rl.buffer import loss_inputs, minibatch_plan, num_minibatches
+from dllm_rl.buffer import loss_inputs, minibatch_plan, num_minibatches, rank_plan
 
 
 def test_stratified_plan_spreads_every_source_over_the_minibatches():
@@ -75,3 +76,18 @@ def test_aggregation_units_are_what_aggregate_divides_by():
     total = sum(aggregation_units(m, "token") for _, m in halves)
     parts = [aggregate(l, m, "token") * 2 * aggregation_units(m, "token") / total for l, m in halves]
     assert torch.allclose(sum(parts) / 2, whole)
+
+
+@pytest.mark.parametrize("mix", ["stratified", "mixed"])
+def test_rank_plans_split_the_single_process_plan(mix):
+    """Two ranks holding on-policy rows 0-5 / 6-11 and external rows 0-1 / 2-4 together take exactly the rows
+    of each single-process minibatch."""
+    sizes = [12, 5]
+    whole = minibatch_plan(sizes, 3, mix, torch.Generator().manual_seed(7))
+    ranks = [rank_plan(sizes, starts, local, 3, mix, torch.Generator().manual_seed(7))
+             for starts, local in (([0, 0], [6, 2]), ([6, 2], [6, 3]))]
+    for k in range(3):
+        for p in range(2):
+            joined = torch.cat([ranks[0][k][p], ranks[1][k][p] + [6, 2][p]])
+            assert sorted(joined.tolist()) == sorted(whole[k][p].tolist())
+            assert all(len(r[k][p]) == 0 or int(r[k][p].max()) < n for r, n in zip(ranks, ([6, 2][p], [6, 3][p])))

@@ -26,7 +26,7 @@ SETTINGS = dict(
     algo={"advantage": "mean", "beta": 0.04},
     external={"name": "solver"},
     mixing={"per_prompt": 1, "trigger": "schedule", "decay_steps": 3, "keep": "correct"},
-    prompts_per_step=4, group_size=2, minibatch_size=8, eval_every=0, sample_every=0, tensorboard=False,
+    prompts_per_step=4, group_size=2, minibatch_size=4, eval_every=0, sample_every=0, tensorboard=False,
     lr=1e-3, bf16=False, ref_sync_every=2, checkpoint_every=2, print_fn=lambda *_: None,
 )
 PROMPTS = ["12+7=", "3*4=", "9-5=", "8+8="]

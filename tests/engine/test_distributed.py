@@ -73,7 +73,8 @@ def runs(tmp_path_factory, char_tokenizer):
 def test_every_stage_agrees_with_the_single_process_run(runs):
     root, single, two = runs
     base, base_weights = metrics(single / "zero0"), weights(single / "zero0", 2)
-    assert all(m["policy/updates"] == 1 for m in base)  # both steps trained (external rows carry the signal)
+    assert all(m["policy/updates"] == 2 for m in base)  # both steps trained, two minibatches each (rows of
+    # every rank in each), so the agreement also checks that the ranks draw the single-process minibatches
     assert sum(m["external/rows"] for m in base) == sum(m["external/rows"] for m in metrics(two / "zero0"))
     for stage in range(4):
         run = metrics(two / f"zero{stage}")
