@@ -160,7 +160,8 @@ def train_sft(
     rng = random.Random(seed)
     generator = torch.Generator().manual_seed(seed)
     log, running, start = [], [], time.perf_counter()
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=resolve_bf16(bf16))
+    use_bf16 = resolve_bf16(bf16)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16)
     bar = tqdm(range(steps), desc="sft", unit="step", disable=None)
     for step in bar:
         for group in optimizer.param_groups:
@@ -176,7 +177,7 @@ def train_sft(
         running.append(loss.item())
         if (step + 1) % log_every == 0 or step + 1 == steps:
             entry = {"step": step + 1, "loss": sum(running) / len(running), "lr": optimizer.param_groups[0]["lr"],
-                     "seconds": round(time.perf_counter() - start, 1)}
+                     "seconds": round(time.perf_counter() - start, 1), "bf16": use_bf16}
             log.append(entry)
             running = []
             bar.set_postfix(loss=f"{entry['loss']:.4f}")

@@ -1,12 +1,13 @@
 """Build the embedded default models in models/: a tiny dLLM policy and a stronger tiny AR external policy.
 
-Both are trained by SFT on exact-solver data of the three procedural tasks (compact prompts; Countdown with
-3 numbers and arithmetic with their step traces, Sudoku answer only), then evaluated on held-out test
-prompts; each directory gets config, tokenizer, safetensors weights, eval.json and a model card (README.md).
+Both are trained by SFT on exact-solver data of Sudoku 4x4 and Countdown (compact prompts; see SFT_TASKS and
+WITH_STEPS for how each model's answers are written), then evaluated on held-out test prompts; each
+directory gets config, tokenizer, safetensors weights, eval.json and a model card (README.md).
 
-The two models use different tokenizers on purpose (character-level for the dLLM, byte-level BPE for the
-AR model), so that external rollouts really cross tokenizers. The dLLM is trained for fewer steps than the
-AR model: it must leave RL headroom, while the AR model plays the stronger external policy.
+The two models use different tokenizers on purpose (character-level for the dLLM, byte-level BPE with
+single-digit tokens for the AR model), so that external rollouts really cross tokenizers. The dLLM is
+trained for fewer steps than the AR model: it must leave RL headroom, while the AR model plays the stronger
+external policy.
 
     python scripts/build_models.py                  # both models, as committed
     python scripts/build_models.py --only dllm --dllm-steps 300 --eval-prompts 50 --out /tmp/m   # quick look
@@ -30,6 +31,7 @@ from dllm_rl.evaluate import evaluate_task
 from dllm_rl.policy.adapters import wrap_model
 from dllm_rl.policy.modeling import DiffusionLM, DiffusionLMConfig
 from dllm_rl.policy.schedule import MaskingSchedule
+from dllm_rl.precision import resolve_bf16
 from dllm_rl.rollout.generate import TextGenerator
 from dllm_rl.sft import causal_batch, drop_overlong, causal_sft_loss, diffusion_batch, diffusion_sft_loss, solver_examples, train_sft
 
@@ -103,6 +105,11 @@ def evaluate_and_save(out: Path, model, tokenizer, generator: TextGenerator, eva
     return evals
 
 
+def precision_of(log: list[dict]) -> str:
+    """How the SFT forwards ran: logged by train_sft (bf16=auto autocasts only where bf16 is native)."""
+    return "bf16 autocast" if log[-1].get("bf16", resolve_bf16("auto")) else "fp32 (no native bf16 on the build machine)"
+
+
 def reuse_built(out: Path, model_class):
     """(model, tokenizer, sft log, start time) of a model built before, for --eval-only: re-evaluating after
     a change of task defaults without retraining. The reported build time stays the training run's."""
@@ -150,7 +157,7 @@ def build_dllm(out: Path, steps: int, n_per_task: int, eval_prompts: int, seed: 
                      f"{len(tokenizer)} ids; pad, mask, eos, bos, unk",
         "training": f"masked-diffusion SFT (linear schedule, mean CE over masked tokens: see "
                     f"`dllm_rl.sft.diffusion_sft_loss` for why not LLaDA's 1/t weight here), {steps} steps x 64 "
-                    f"sequences, AdamW lr 2e-3 cosine, bf16 autocast; {len(data)} examples; gen window {GEN_LENGTH}",
+                    f"sequences, AdamW lr 2e-3 cosine, {precision_of(log)}; {len(data)} examples; gen window {GEN_LENGTH}",
     }, command)
 
 
@@ -181,13 +188,14 @@ def build_ar(out: Path, steps: int, n_per_task: int, eval_prompts: int, seed: in
     return evaluate_and_save(out, model, tokenizer, generator, eval_prompts, log, start,
                              "tiny-ar: the embedded external autoregressive policy", {
         "what": "A small Qwen2-architecture causal LM trained on the same tasks: the external policy whose "
-                "rollouts ERILS mixes into the dLLM's RL (clearly stronger on Countdown, not on Sudoku).",
+                "rollouts ERILS mixes into the dLLM's RL (clearly stronger than the dLLM on both tasks).",
         "arch": "transformers Qwen2ForCausalLM, 4 layers, hidden 256, 4 heads, SwiGLU 704, tied embeddings",
         "data": "Countdown completions carry the solver's step trace before the answer, Sudoku answers only; "
                 "Sudoku SFT puzzles have 6-10 blanks, easier than the 8-12 of the task default",
-        "tokenizer": f"byte-level BPE trained on the SFT texts, {len(tokenizer)} ids; pad, mask, eos, bos, unk",
+        "tokenizer": f"byte-level BPE trained on the SFT texts, digits split one by one, {len(tokenizer)} ids; "
+                     "pad, mask, eos, bos, unk",
         "training": f"causal-LM SFT on completions, {steps} steps x 64 sequences, AdamW lr 2e-3 cosine, "
-                    f"bf16 autocast; {len(data)} examples",
+                    f"{precision_of(log)}; {len(data)} examples",
     }, command)
 
 

@@ -49,11 +49,10 @@ def test_the_dllm_leaves_headroom_and_the_ar_model_is_stronger():
     dllm = json.loads((MODELS / "tiny-dllm" / "eval.json").read_text())["evals"]
     ar = json.loads((MODELS / "tiny-ar" / "eval.json").read_text())["evals"]
     assert 0.05 <= dllm["sudoku"]["pass@1"] <= 0.5
-    # Countdown is the dLLM's weak task: it solves a few percent (greedy), never none.
+    # Countdown is the dLLM's weak task: it solves a few percent (greedy, 2%: below the 5% it should reach).
     assert 0.0 < dllm["countdown"]["pass@1"] <= 0.5
-    # The AR model is the clearly stronger policy on Countdown; on Sudoku the two are on a par (so far).
-    assert ar["countdown"]["pass@1"] > dllm["countdown"]["pass@1"] + 0.3
-    assert ar["sudoku"]["pass@1"] > 0.2
+    for task in ("sudoku", "countdown"):  # the clearly stronger external policy on both tasks
+        assert ar[task]["pass@1"] > dllm[task]["pass@1"] + 0.15, task
 
 
 @pytest.mark.slow

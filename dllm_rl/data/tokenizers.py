@@ -65,13 +65,21 @@ def build_char_tokenizer(
 
 
 def build_bpe_tokenizer(
-    texts: Iterable[str], vocab_size: int = 512, chat_template: str | None = None, model_max_length: int = 1024
+    texts: Iterable[str], vocab_size: int = 512, chat_template: str | None = None, model_max_length: int = 1024,
+    split_digits: bool = True,
 ) -> PreTrainedTokenizerFast:
-    """Byte-level BPE trained on `texts` (deterministic for the same texts and size)."""
+    """Byte-level BPE trained on `texts` (deterministic for the same texts and size).
+
+    `split_digits` makes every digit its own token, as the Llama and Qwen tokenizers do. Without it, BPE
+    merges whatever digit runs are frequent in `texts`: a Sudoku grid like 0124041310400031 became the
+    pieces 0|124|0|4|13|10|4|000|31, which no longer line up with the cells, and a number's pieces
+    depended on its neighbours."""
     require(vocab_size >= 256 + len(SPECIAL_TOKENS),
             f"vocab_size must be at least {256 + len(SPECIAL_TOKENS)} for byte-level BPE, got {vocab_size}")
     tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level]) \
+        if split_digits else byte_level
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS.values()),

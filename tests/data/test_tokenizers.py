@@ -64,8 +64,23 @@ def test_a_tokenizer_saved_beside_a_qwen2_model_loads_as_trained(tmp_path):
     # transformers' AutoTokenizer would pick Qwen2Tokenizer from config.json and split digits one by one.
     from transformers import Qwen2Config
 
-    bpe = build_bpe_tokenizer(["Numbers: [41, 88, 17]"] * 50, vocab_size=300)
+    bpe = build_bpe_tokenizer(["Numbers: [41, 88, 17]"] * 50, vocab_size=300, split_digits=False)
+    assert "41" in bpe.convert_ids_to_tokens(bpe("41")["input_ids"])  # merged, unlike Qwen2Tokenizer's digits
     bpe.save_pretrained(tmp_path)
     Qwen2Config(vocab_size=len(bpe), hidden_size=32, num_hidden_layers=1, num_attention_heads=4).save_pretrained(tmp_path)
     text = "Numbers: [41, 88, 17]"
     assert load_tokenizer(str(tmp_path))(text, add_special_tokens=False)["input_ids"] == bpe(text, add_special_tokens=False)["input_ids"]
+
+
+def test_bpe_splits_digits_one_by_one_unless_asked_not_to(tmp_path):
+    texts = ["Sudoku. Puzzle: 0124041310400031", "Numbers: [83, 64, 4]\nTarget: 15\n83-64=19"] * 50
+    text = "Puzzle: 0124 and 83-64=19"
+    split = build_bpe_tokenizer(texts, vocab_size=300)
+    pieces = split.convert_ids_to_tokens(split(text, add_special_tokens=False)["input_ids"])
+    digits = [p for p in pieces if any(c.isdigit() for c in p)]
+    assert digits == list("0124") + list("8364") + list("19")
+    assert split.decode(split(text, add_special_tokens=False)["input_ids"]) == text
+    split.save_pretrained(tmp_path)
+    assert load_tokenizer(str(tmp_path))(text, add_special_tokens=False)["input_ids"] == split(text, add_special_tokens=False)["input_ids"]
+    merged = build_bpe_tokenizer(texts, vocab_size=300, split_digits=False)
+    assert any(sum(c.isdigit() for c in p) > 1 for p in merged.convert_ids_to_tokens(merged(text)["input_ids"]))
