@@ -49,16 +49,30 @@ def _wrap(tok: Tokenizer, chat_template: str | None, model_max_length: int) -> P
 
 
 def build_char_tokenizer(
-    alphabet: str = DEFAULT_ALPHABET, chat_template: str | None = None, model_max_length: int = 1024
+    alphabet: str = DEFAULT_ALPHABET, chat_template: str | None = None, model_max_length: int = 1024,
+    number_digits: int = 0,
 ) -> PreTrainedTokenizerFast:
-    """Special tokens get ids 0-4, then one id per distinct character of `alphabet`, in order."""
+    """Special tokens get ids 0-4, then one id per distinct character of `alphabet`, in order.
+
+    `number_digits` > 0 adds one token for every digit string of up to that many digits (after the
+    characters), used for a number standing alone: 57 in "[57, 3]" is one token, while a longer digit run
+    such as a Sudoku grid 0124041300400030 stays one token per digit, so its cells still line up. A model
+    then copies a number from its prompt as one token instead of digit by digit, and its digits cannot be
+    mixed with another number's when a masked-diffusion sampler unmasks positions out of order.
+    """
     chars = list(dict.fromkeys(alphabet))
     require(chars, "alphabet must contain at least one character")
+    require(isinstance(number_digits, int) and 0 <= number_digits <= 3,
+            f"number_digits must be an integer in [0, 3], got {number_digits!r}")
     vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS.values())}
     for c in chars:
         vocab.setdefault(c, len(vocab))
+    for width in range(2, number_digits + 1):
+        for n in range(10**width):
+            vocab.setdefault(f"{n:0{width}d}", len(vocab))
+    pattern = f"(?<![0-9])[0-9]{{1,{number_digits}}}(?![0-9])|." if number_digits else "."
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS["unk_token"]))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(list(SPECIAL_TOKENS.values()))
     return _wrap(tok, chat_template, model_max_length)

@@ -6,6 +6,7 @@ from dllm_rl.data.countdown import (
     Countdown, ExpressionError, countdown_reward, evaluate, literals, parse_expression, solve_countdown, to_text,
 )
 from dllm_rl.data.task import Solution, render_completion
+from dllm_rl.errors import ConfigError
 
 
 def answer(expr: str) -> str:
@@ -64,6 +65,29 @@ def test_solver_finds_a_correct_expression_or_none():
     assert sorted(literals(tree)) == [3, 3, 8, 8]
     assert solve_countdown([1, 1, 1], 100) is None  # at most (1+1)*... = 3: unsolvable
     assert evaluate(solve_countdown([2, 3], Fraction(2, 3))) == Fraction(2, 3)
+
+
+def test_the_in_order_solver_keeps_the_numbers_in_the_order_given():
+    # Hand-checked: 5-(9-7) = 3 keeps [5, 9, 7], where the free solver writes 7-(9-5).
+    assert to_text(solve_countdown([5, 9, 7], 3, keep_order=True)) == "5-(9-7)"
+    assert to_text(solve_countdown([83, 64, 4], 15, keep_order=True)) == "83-64-4"
+    assert to_text(solve_countdown([3, 5, 9], 7, keep_order=True)) == "3-5+9"   # a negative intermediate
+    assert solve_countdown([2, 2, 3], 2, keep_order=True) is None      # only 3-2/2: no tree keeps 2, 2, 3
+    assert to_text(solve_countdown([2, 2, 3], 2)) == "3-2/2"
+    task, free = Countdown(solve_in_order=True), Countdown()
+    examples = task.examples("train", 300, seed=1)
+    solved = 0
+    for ex in examples:
+        solution = task.solve(ex)
+        if solution is None:
+            continue
+        solved += 1
+        assert literals(parse_expression(solution.answer)) == ex.meta["numbers"]
+        assert task.reward(render_completion(solution), ex).correct
+        assert free.solve(ex) is not None
+    assert 0.4 < solved / len(examples) < 0.8
+    with pytest.raises(ConfigError, match="solve_in_order must be true or false, got 'yes'"):
+        Countdown(solve_in_order="yes")
 
 
 def test_generated_instances_are_solvable_and_in_range():

@@ -44,6 +44,23 @@ def test_char_tokenizer_is_one_token_per_character():
     assert tok("a<|mask|>b", add_special_tokens=False)["input_ids"] == [5, tok.mask_token_id, 6]
 
 
+def test_char_tokenizer_keeps_standalone_numbers_whole_and_long_digit_runs_per_digit(tmp_path):
+    tok = build_char_tokenizer(number_digits=2)
+    assert len(tok) == len(build_char_tokenizer()) + 100                  # "00".."99"; one digit exists
+    pieces = lambda t, text: t.convert_ids_to_tokens(t(text, add_special_tokens=False)["input_ids"])
+    assert pieces(tok, "[83, 7, 05]\n<answer>83-7*05</answer>")[:8] == ["[", "83", ",", " ", "7", ",", " ", "05"]
+    assert pieces(tok, "=83-7*05<")[1:6] == ["83", "-", "7", "*", "05"]
+    assert pieces(tok, "Target: 100") [-3:] == ["1", "0", "0"]               # wider than number_digits
+    assert pieces(tok, "Puzzle: 0124041300400030")[-16:] == list("0124041300400030")  # grid cells line up
+    text = "Numbers: [41, 88, 17]\nTarget: 64 0124"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == text and tok.unk_token_id not in ids
+    tok.save_pretrained(tmp_path)
+    assert load_tokenizer(str(tmp_path))(text, add_special_tokens=False)["input_ids"] == ids
+    with pytest.raises(ConfigError, match="number_digits must be an integer in \\[0, 3\\], got 5"):
+        build_char_tokenizer(number_digits=5)
+
+
 def test_unknown_characters_are_reported_not_dropped():
     tok = build_char_tokenizer()
     assert unknown_characters(tok, "héllo €5") == ["é", "€"]
