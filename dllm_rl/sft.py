@@ -39,22 +39,24 @@ def solver_examples(task: Task, n: int, seed: int, with_steps: bool = True, toke
     """The exact solver's completions (steps optional) for the first `n` train-split prompts of `task` it
     answers. A solver may decline prompts (Countdown with `solve_in_order`: no answer in the prompt's
     order); more prompts are then drawn, up to 8n, and the number declined is reported."""
-    out, declined, drawn = [], 0, 0
-    while len(out) < n and drawn < 8 * n:
-        prompts = task.examples("train", min(8 * n, max(n, 2 * drawn)), seed)   # a prefix of the same list
-        for ex in prompts[drawn:]:
+    out, drawn, size = [], 0, n
+    while True:
+        for ex in task.examples("train", size, seed)[drawn:]:   # a longer list starts with the shorter one
             drawn += 1
             solution = task.solve(ex)
             if solution is None:
-                declined += 1
                 continue
             if not with_steps:
                 solution = type(solution)(solution.answer)
             out.append(SFTExample(render_prompt(task.prompt(ex), tokenizer), render_completion(solution, task.prompt_style)))
             if len(out) == n:
                 break
-        require(out, f"task {task.name!r} has no exact solver to make SFT data from: it answered none of {drawn} prompts")
+        require(out or n == 0, f"task {task.name!r} has no exact solver to make SFT data from: it answered none of {drawn} prompts")
+        if len(out) == n or size == 8 * n:
+            break
+        size = min(8 * n, 2 * size)
     require(len(out) == n, f"the {task.name!r} solver answered only {len(out)} of {drawn} prompts; {n} examples asked")
+    declined = drawn - len(out)
     if declined:
         print_fn(f"{task.name}: the solver declined {declined} of {drawn} prompts, so {n} examples took {drawn}")
     return out

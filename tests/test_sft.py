@@ -4,6 +4,7 @@ import torch.nn.functional as F
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from dllm_rl.data import build_task
+from dllm_rl.errors import ConfigError
 from dllm_rl.policy.schedule import MaskingSchedule
 from dllm_rl.sft import (
     SFTExample, causal_batch, causal_sft_loss, diffusion_batch, diffusion_sft_loss, solver_examples, train_sft,
@@ -62,6 +63,29 @@ def test_masked_mean_weighting_is_the_mean_ce_over_masked_tokens(tiny_policy, ch
     torch.testing.assert_close(loss, ce[masked].mean())
     with pytest.raises(ValueError, match="weighting must be 'elbo' or 'masked_mean', got 'uniform'"):
         diffusion_sft_loss(tiny_policy, ids, mask, P, schedule, torch.Generator(), "uniform")
+
+
+def test_solver_examples_draw_past_declined_prompts_and_name_a_task_without_solver():
+    free = solver_examples(build_task("countdown"), 30, 0, with_steps=False, print_fn=lambda *_: None)
+    assert [e.prompt for e in free] == [build_task("countdown").prompt(x) for x in build_task("countdown").examples("train", 30, 0)]
+    said = []
+    kept = solver_examples(build_task("countdown", solve_in_order=True), 30, 0, with_steps=False, print_fn=said.append)
+    assert len(kept) == 30 and len({e.prompt for e in kept}) == 30
+    drawn = int(said[0].split(" took ")[1])
+    assert drawn > 30 and said[0].startswith(f"countdown: the solver declined {drawn - 30} of {drawn} prompts")
+    kept_prompts = [e.prompt for e in kept]
+    first = [e.prompt for e in free if e.prompt in kept_prompts]  # the first 30 prompts it answers come first
+    assert 0 < len(first) < 30 and kept_prompts[: len(first)] == first
+
+    class NoSolver:
+        name = "gsm8k"
+        prompt_style = "compact"
+        examples = build_task("countdown").examples
+        prompt = staticmethod(lambda ex: ex.question)
+        solve = staticmethod(lambda ex: None)
+
+    with pytest.raises(ConfigError, match="task 'gsm8k' has no exact solver to make SFT data from: it answered none of 5 prompts"):
+        solver_examples(NoSolver(), 5, 0)
 
 
 @pytest.mark.slow
