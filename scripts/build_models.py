@@ -49,7 +49,10 @@ WITH_STEPS = {"dllm": {"countdown": False, "sudoku": False}, "ar": {"countdown":
 # Also tried for the dLLM's Countdown and measured at 0-2% pass@1 (1,500 steps each): whole-number tokens
 # (build_char_tokenizer(number_digits=2)) with answers in the prompt's order (Countdown(solve_in_order=True)),
 # half and three quarters Countdown; the model still copies the second and third numbers wrongly. Sudoku
-# moved with the mix instead: 97.5% at half Countdown, 20.5% at three quarters.
+# moved with the mix instead: 97.5% at half Countdown, 20.5% at three quarters. Answers aligned with the
+# prompt's list (numbers in order, no brackets, " -64" spacing, so that with whole-number tokens every number
+# of the answer sits at one fixed token distance from the same number in the prompt), three quarters
+# Countdown: 1.0% Countdown and 1.0% Sudoku; cross-entropy at the answer's numbers fell only to 2.4 nats.
 GEN_LENGTH = 64
 
 

@@ -110,6 +110,8 @@ class DiffusionLM(PreTrainedModel):
     config_class = DiffusionLMConfig
     base_model_prefix = "diffusion_lm"
     _no_split_modules = ["Block"]
+    # With config.tie_word_embeddings the output projection is the input embedding (transformers ties them).
+    _tied_weights_keys = {"lm_head.weight": "embed.weight"}
 
     def __init__(self, config: DiffusionLMConfig):
         super().__init__(config)

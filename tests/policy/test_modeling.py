@@ -47,6 +47,20 @@ def test_save_load_round_trip_through_auto_classes(tiny_policy, tmp_path):
         torch.testing.assert_close(loaded(ids).logits, tiny_policy.model(ids).logits, rtol=0, atol=0)
 
 
+def test_tied_embeddings_share_one_matrix_through_training_and_save_load(tmp_path):
+    sizes = dict(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2)
+    untied, model = DiffusionLM(DiffusionLMConfig(**sizes)), DiffusionLM(DiffusionLMConfig(**sizes, tie_word_embeddings=True))
+    assert untied.lm_head.weight is not untied.embed.weight
+    assert model.lm_head.weight is model.embed.weight
+    assert model.num_parameters() == untied.num_parameters() - 40 * 16
+    model(torch.randint(5, 40, (1, 6))).logits.sum().backward()
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    model.save_pretrained(tmp_path)
+    loaded = DiffusionLM.from_pretrained(tmp_path)
+    assert loaded.lm_head.weight is loaded.embed.weight
+    torch.testing.assert_close(loaded.embed.weight, model.embed.weight, rtol=0, atol=0)
+
+
 def test_bf16_autocast_runs_and_stays_close(tiny_policy):
     ids = torch.randint(5, 100, (2, 16))
     fp32 = tiny_policy.model(ids).logits
