@@ -37,8 +37,8 @@ class SFTExample:
 def solver_examples(task: Task, n: int, seed: int, with_steps: bool = True, tokenizer=None,
                     print_fn=print) -> list[SFTExample]:
     """The exact solver's completions (steps optional) for the first `n` train-split prompts of `task` it
-    answers. A solver may decline prompts (Countdown with `solve_in_order`: no answer in the prompt's
-    order); more prompts are then drawn, up to 8n, and the number declined is reported."""
+    answers. A solver may decline prompts (Countdown's in_order and aligned `solver_style`: no answer in
+    the prompt's order); more prompts are then drawn, up to 8n, and the number declined is reported."""
     out, drawn, size = [], 0, n
     while True:
         for ex in task.examples("train", size, seed)[drawn:]:   # a longer list starts with the shorter one
@@ -51,10 +51,10 @@ def solver_examples(task: Task, n: int, seed: int, with_steps: bool = True, toke
             out.append(SFTExample(render_prompt(task.prompt(ex), tokenizer), render_completion(solution, task.prompt_style)))
             if len(out) == n:
                 break
-        require(out or n == 0, f"task {task.name!r} has no exact solver to make SFT data from: it answered none of {drawn} prompts")
         if len(out) == n or size == 8 * n:
             break
         size = min(8 * n, 2 * size)
+    require(out or n == 0, f"task {task.name!r} has no exact solver to make SFT data from: it answered none of {drawn} prompts")
     require(len(out) == n, f"the {task.name!r} solver answered only {len(out)} of {drawn} prompts; {n} examples asked")
     declined = drawn - len(out)
     if declined:

@@ -4,6 +4,7 @@ import torch.nn.functional as F
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from dllm_rl.data import build_task
+from dllm_rl.data.task import Solution
 from dllm_rl.errors import ConfigError
 from dllm_rl.policy.schedule import MaskingSchedule
 from dllm_rl.sft import (
@@ -69,7 +70,7 @@ def test_solver_examples_draw_past_declined_prompts_and_name_a_task_without_solv
     free = solver_examples(build_task("countdown"), 30, 0, with_steps=False, print_fn=lambda *_: None)
     assert [e.prompt for e in free] == [build_task("countdown").prompt(x) for x in build_task("countdown").examples("train", 30, 0)]
     said = []
-    kept = solver_examples(build_task("countdown", solve_in_order=True), 30, 0, with_steps=False, print_fn=said.append)
+    kept = solver_examples(build_task("countdown", solver_style="in_order"), 30, 0, with_steps=False, print_fn=said.append)
     assert len(kept) == 30 and len({e.prompt for e in kept}) == 30
     drawn = int(said[0].split(" took ")[1])
     assert drawn > 30 and said[0].startswith(f"countdown: the solver declined {drawn - 30} of {drawn} prompts")
@@ -84,8 +85,13 @@ def test_solver_examples_draw_past_declined_prompts_and_name_a_task_without_solv
         prompt = staticmethod(lambda ex: ex.question)
         solve = staticmethod(lambda ex: None)
 
-    with pytest.raises(ConfigError, match="task 'gsm8k' has no exact solver to make SFT data from: it answered none of 5 prompts"):
-        solver_examples(NoSolver(), 5, 0)
+    with pytest.raises(ConfigError, match="task 'gsm8k' has no exact solver to make SFT data from: it answered none of 40 prompts"):
+        solver_examples(NoSolver(), 5, 0)                  # 5, then 10, 20 and 40 (8n) prompts drawn
+    firsts, late = {x.uid for x in NoSolver.examples("train", 3, 0)}, NoSolver()
+    late.solve = lambda ex: None if ex.uid in firsts else Solution("1")
+    said = []
+    assert len(solver_examples(late, 3, 0, print_fn=said.append)) == 3     # all of the first 3 declined
+    assert said == ["gsm8k: the solver declined 3 of 6 prompts, so 3 examples took 6"]
 
 
 @pytest.mark.slow

@@ -27,6 +27,7 @@ MAX_EXPRESSION_CHARS = 200
 MAX_NESTING = 32
 MAX_LITERAL_DIGITS = 6
 PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2}
+SOLVER_STYLES = ("free", "in_order", "aligned")
 
 
 class ExpressionError(ValueError):
@@ -211,6 +212,27 @@ def solve_countdown(numbers: list[int], target: int, keep_order: bool = False) -
     return search(start, natural=True) or search(start, natural=False)
 
 
+def solve_aligned(numbers: list[int], target: int) -> str | None:
+    """The first bracket-free expression with the numbers in the given order that equals `target`, operators
+    tried in the order + - * /, each written with a space before it: "83 -64 -4" for [83, 64, 4] -> 15.
+    None if no such expression exists (about 40% of the default instances).
+
+    The spacing makes the answer line up with the prompt's list "[83, 64, 4]": a separator of two
+    characters (", " there, " -" here) between the numbers. When every number is written with the same
+    number of digits (the embedded dLLM's tokenizer reads 4 as 04), each digit of the answer then sits at
+    one fixed distance from the same digit in the prompt, which a small bidirectional model learns to copy
+    as it copies Sudoku's given cells.
+    """
+    for ops in itertools.product("+-*/", repeat=len(numbers) - 1):
+        text = str(numbers[0]) + "".join(f" {op}{x}" for op, x in zip(ops, numbers[1:]))
+        try:
+            if evaluate(parse_expression(text)) == target:
+                return text
+        except ExpressionError:  # division by zero
+            continue
+    return None
+
+
 def steps_of(tree) -> list[str]:
     """The intermediate results of a tree, innermost first: ["3*5=15", "15+7=22"]."""
     if isinstance(tree, int):
@@ -234,13 +256,17 @@ class Countdown:
     test_fraction: float = 0.1
     prompt_style: str = "compact"
     format_weight: float = 0.0
-    # The solver (SFT data, the solver external source) writes the numbers in the prompt's order and
-    # declines the instances with no such answer; the reward accepts any order either way.
-    solve_in_order: bool = False
+    # How the solver (SFT data, the solver external source) writes its answers; the reward accepts any
+    # correct expression whatever this is. free: any tree, numbers in any order. in_order: the numbers in
+    # the prompt's order, brackets as needed (solve_countdown's keep_order). aligned: the numbers in the
+    # prompt's order, no brackets, one space before each operator (solve_aligned). in_order and aligned
+    # decline the instances with no such answer (about 40%).
+    solver_style: str = "free"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "num_numbers", tuple(self.num_numbers))
-        require(isinstance(self.solve_in_order, bool), f"solve_in_order must be true or false, got {self.solve_in_order!r}")
+        require(self.solver_style in SOLVER_STYLES,
+                f"solver_style must be one of {SOLVER_STYLES}, got {self.solver_style!r}")
         require(self.num_numbers and all(isinstance(k, int) and 2 <= k <= 6 for k in self.num_numbers),
                 f"num_numbers must be a non-empty list of integers in [2, 6], got {list(self.num_numbers)}")
         require(1 <= self.min_number <= self.max_number,
@@ -292,5 +318,9 @@ class Countdown:
         return countdown_reward(completion, example.meta["numbers"], example.meta["target"], self.format_weight)
 
     def solve(self, example: Example) -> Solution | None:
-        tree = solve_countdown(example.meta["numbers"], example.meta["target"], keep_order=self.solve_in_order)
+        numbers, target = example.meta["numbers"], example.meta["target"]
+        if self.solver_style == "aligned":
+            text = solve_aligned(numbers, target)
+            return None if text is None else Solution(text, tuple(steps_of(parse_expression(text))))
+        tree = solve_countdown(numbers, target, keep_order=self.solver_style == "in_order")
         return None if tree is None else Solution(to_text(tree), tuple(steps_of(tree)))

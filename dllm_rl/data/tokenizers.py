@@ -18,7 +18,7 @@ import string
 from pathlib import Path
 from typing import Iterable
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from dllm_rl.errors import require
@@ -30,6 +30,7 @@ SPECIAL_TOKENS = {
     "bos_token": "<|bos|>",
     "unk_token": "<|unk|>",
 }
+SINGLE_DIGIT = "[0-9](?![0-9])"  # a digit that ends a run (lookahead: pads or unpads only one-digit runs)
 DEFAULT_ALPHABET = string.printable.replace("\t", "").replace("\r", "").replace("\x0b", "").replace("\x0c", "")
 
 # A minimal chat template: a user turn, then the assistant's turn opens.
@@ -50,7 +51,7 @@ def _wrap(tok: Tokenizer, chat_template: str | None, model_max_length: int) -> P
 
 def build_char_tokenizer(
     alphabet: str = DEFAULT_ALPHABET, chat_template: str | None = None, model_max_length: int = 1024,
-    number_digits: int = 0,
+    number_digits: int = 0, pad_single_digits: bool = False,
 ) -> PreTrainedTokenizerFast:
     """Special tokens get ids 0-4, then one id per distinct character of `alphabet`, in order.
 
@@ -59,6 +60,12 @@ def build_char_tokenizer(
     such as a Sudoku grid 0124041300400030 stays one token per digit, so its cells still line up. A model
     then copies a number from its prompt as one token instead of digit by digit, and its digits cannot be
     mixed with another number's when a masked-diffusion sampler unmasks positions out of order.
+
+    `pad_single_digits` writes every standalone one-digit number with a leading zero before tokenizing
+    ("[83, 4, 64]" is read as "[83, 04, 64]") and decoding strips that zero again, so numbers below 100 all
+    take two digit tokens. Lists of such numbers then have one fixed layout, and a model can copy a number
+    digit by digit from a fixed distance, an identity over 10 digit tokens. A standalone "05" in the input
+    decodes as "5"; digit runs of other lengths (Sudoku grids, 100) are unchanged both ways.
     """
     chars = list(dict.fromkeys(alphabet))
     require(chars, "alphabet must contain at least one character")
@@ -74,6 +81,9 @@ def build_char_tokenizer(
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS["unk_token"]))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
     tok.decoder = decoders.Fuse()
+    if pad_single_digits:
+        tok.normalizer = normalizers.Replace(Regex(f"(?<![0-9])(?={SINGLE_DIGIT})"), "0")
+        tok.decoder = decoders.Sequence([decoders.Fuse(), decoders.Replace(Regex(f"(?<![0-9])0(?={SINGLE_DIGIT})"), "")])
     tok.add_special_tokens(list(SPECIAL_TOKENS.values()))
     return _wrap(tok, chat_template, model_max_length)
 

@@ -3,9 +3,12 @@ from fractions import Fraction
 import pytest
 
 from dllm_rl.data.countdown import (
-    Countdown, ExpressionError, countdown_reward, evaluate, literals, parse_expression, solve_countdown, to_text,
+    Countdown, ExpressionError, countdown_reward, evaluate, literals, parse_expression, solve_aligned,
+    solve_countdown, to_text,
 )
 from dllm_rl.data.task import Solution, render_completion
+from dllm_rl.data.tokenizers import build_char_tokenizer
+from dllm_rl.sft import solver_examples
 from dllm_rl.errors import ConfigError
 
 
@@ -74,7 +77,23 @@ def test_the_in_order_solver_keeps_the_numbers_in_the_order_given():
     assert to_text(solve_countdown([3, 5, 9], 7, keep_order=True)) == "3-5+9"   # a negative intermediate
     assert solve_countdown([2, 2, 3], 2, keep_order=True) is None      # only 3-2/2: no tree keeps 2, 2, 3
     assert to_text(solve_countdown([2, 2, 3], 2)) == "3-2/2"
-    task, free = Countdown(solve_in_order=True), Countdown()
+    assert_solver_style_keeps_order("in_order")
+
+
+def test_the_aligned_solver_writes_the_numbers_in_order_without_brackets():
+    # Hand-checked, operators tried in the order + - * /: 83+64+4, 83+64-4, ... 83-64-4 = 15 is the first.
+    assert solve_aligned([83, 64, 4], 15) == "83 -64 -4"
+    assert solve_aligned([80, 1, 20], 60) == "80 -1 *20"        # precedence: 80-(1*20), no brackets needed
+    assert solve_aligned([5, 9, 7], 3) == "5 -9 +7"             # a negative intermediate
+    assert solve_aligned([2, 3, 4], 20) is None                # (2+3)*4 keeps the order but needs brackets
+    assert to_text(solve_countdown([2, 3, 4], 20, keep_order=True)) == "(2+3)*4"
+    assert solve_aligned([2, 2, 3], 2) is None
+    assert solve_aligned([6, 3, 0], 2) == "6 /3 +0"             # 6+3/0 and the like are skipped, not an error
+    assert_solver_style_keeps_order("aligned", brackets=False)
+
+
+def assert_solver_style_keeps_order(style: str, brackets: bool = True):
+    task, free = Countdown(solver_style=style), Countdown()
     examples = task.examples("train", 300, seed=1)
     solved = 0
     for ex in examples:
@@ -83,11 +102,28 @@ def test_the_in_order_solver_keeps_the_numbers_in_the_order_given():
             continue
         solved += 1
         assert literals(parse_expression(solution.answer)) == ex.meta["numbers"]
+        assert brackets or "(" not in solution.answer
         assert task.reward(render_completion(solution), ex).correct
         assert free.solve(ex) is not None
     assert 0.4 < solved / len(examples) < 0.8
-    with pytest.raises(ConfigError, match="solve_in_order must be true or false, got 'yes'"):
-        Countdown(solve_in_order="yes")
+    with pytest.raises(ConfigError, match="solver_style must be one of \\('free', 'in_order', 'aligned'\\), got 'yes'"):
+        Countdown(solver_style="yes")
+
+
+def test_aligned_answers_copy_the_prompt_digits_from_one_distance_with_single_digits_padded():
+    # The reason for the aligned style: with every number below 100 written as two digits (the embedded
+    # dLLM's tokenizer), each digit of the answer is the digit a fixed number of tokens earlier in the
+    # prompt, the same distance for every digit and every prompt.
+    tokenizer, task = build_char_tokenizer(pad_single_digits=True), Countdown(solver_style="aligned", max_target=99)
+    distances = set()
+    for example in solver_examples(task, 60, seed=2, with_steps=False, print_fn=lambda *_: None):  # SFT texts
+        tokens = tokenizer.convert_ids_to_tokens(tokenizer(example.prompt + example.completion)["input_ids"])
+        digits = [i for i, t in enumerate(tokens) if t.isdigit()]
+        assert len(digits) == 3 * 2 + 2 + 3 * 2                                # numbers, target, answer
+        for a, b in zip(digits[:6], digits[8:]):
+            assert tokens[a] == tokens[b]
+            distances.add(b - a)
+    assert len(distances) == 1
 
 
 def test_generated_instances_are_solvable_and_in_range():

@@ -61,6 +61,26 @@ def test_char_tokenizer_keeps_standalone_numbers_whole_and_long_digit_runs_per_d
         build_char_tokenizer(number_digits=5)
 
 
+def test_padding_single_digits_gives_every_number_below_100_two_digits_and_decodes_back(tmp_path):
+    tok = build_char_tokenizer(pad_single_digits=True)
+    assert len(tok) == len(build_char_tokenizer())                         # no new tokens, only a normalizer
+    pieces = lambda t, text: t.convert_ids_to_tokens(t(text, add_special_tokens=False)["input_ids"])
+    text = "Countdown. Numbers: [83, 4, 64]\nTarget: 7\n<answer>83 -64 -4</answer>"
+    assert pieces(tok, text)[20:32] == list("[83, 04, 64]")
+    assert "".join(pieces(tok, text)[32:44]) == "\nTarget: 07\n"
+    assert "".join(pieces(tok, text)).endswith("<answer>83 -64 -04</answer>")
+    for unchanged in ("Puzzle: 0124041300400030", "Target: 100", "x 42 y", "v10"):
+        assert "".join(pieces(tok, unchanged)) == unchanged                  # runs of other lengths
+    assert "".join(pieces(tok, "0 9x")) == "00 09x"
+    for text in (text, "Puzzle: 0124041300400030 0 and 9", TEXT):
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert tok.decode(ids) == text and tok.unk_token_id not in ids     # the zero is stripped again
+        tok.save_pretrained(tmp_path)
+        assert load_tokenizer(str(tmp_path))(text, add_special_tokens=False)["input_ids"] == ids
+        assert load_tokenizer(str(tmp_path)).decode(ids) == text
+    assert tok.decode(tok("[05, 5]", add_special_tokens=False)["input_ids"]) == "[5, 5]"  # the documented loss
+
+
 def test_unknown_characters_are_reported_not_dropped():
     tok = build_char_tokenizer()
     assert unknown_characters(tok, "héllo €5") == ["é", "€"]
