@@ -39,27 +39,37 @@ from dllm_rl.sft import causal_batch, drop_overlong, causal_sft_loss, diffusion_
 # Sudoku and Countdown, the tasks of the core method's experiments; the models are evaluated (and trained by
 # RL) on the task defaults (Sudoku: 8-12 blanks). Their SFT data has easier puzzles (6-10 blanks).
 TASKS = {"countdown": {}, "sudoku": {}}
-SFT_TASKS = {"countdown": {}, "sudoku": {"blanks": [6, 10]}}
+# Per model. The dLLM's Countdown answers are "aligned" (solver_style): the numbers in the prompt's order, no
+# brackets, a space before each operator, "83 -64 -4" for [83, 64, 4]; with its tokenizer writing every
+# number below 100 as two digits (pad_single_digits), each digit of the answer then sits at one fixed
+# distance from the same digit in the prompt. Copying the numbers is the part of Countdown this small
+# bidirectional model failed to learn otherwise (1,500 steps each, 0-2% pass@1): free answers in
+# characters; whole-number tokens (build_char_tokenizer(number_digits=2)) with in-order or aligned answers,
+# where the copy is an identity over ~100 rare tokens (cross-entropy at the answer's numbers stayed at
+# 2.4 nats). With two-digit padding and aligned answers, 300 Countdown-only steps already copy the numbers
+# (0.1 nats per digit) and reach 18% pass@1; what is left to learn is the choice of operators.
+SFT_TASKS = {
+    "dllm": {"countdown": {"solver_style": "aligned"}, "sudoku": {"blanks": [6, 10]}},
+    "ar": {"countdown": {}, "sudoku": {"blanks": [6, 10]}},
+}
 # Which completions carry the solver's step trace. The AR model writes Countdown's steps before the answer;
 # the dLLM answers directly (at this size it fails to learn the traces: 0% pass@1 on Countdown after 1,200
 # steps), so external rollouts are longer than the dLLM's own, the situation ERILS's length control is for.
 # Sudoku traces (one step per blank) made the AR model worse at 1,500 steps (12.5% against 33.5% without),
 # so both answer Sudoku directly.
 WITH_STEPS = {"dllm": {"countdown": False, "sudoku": False}, "ar": {"countdown": True, "sudoku": False}}
-# Also tried for the dLLM's Countdown and measured at 0-2% pass@1 (1,500 steps each): whole-number tokens
-# (build_char_tokenizer(number_digits=2)) with answers in the prompt's order (Countdown(solve_in_order=True)),
-# half and three quarters Countdown; the model still copies the second and third numbers wrongly. Sudoku
-# moved with the mix instead: 97.5% at half Countdown, 20.5% at three quarters. Answers aligned with the
-# prompt's list (numbers in order, no brackets, " -64" spacing, so that with whole-number tokens every number
-# of the answer sits at one fixed token distance from the same number in the prompt), three quarters
-# Countdown: 1.0% Countdown and 1.0% Sudoku; cross-entropy at the answer's numbers fell only to 2.4 nats.
+# Examples per task, as a share of --examples-per-task. The dLLM learns Sudoku in a sudden jump: with two
+# Countdown examples per Sudoku one (shares 1.0 and 0.5) it reached 12.5% on Countdown but 0.0% on Sudoku,
+# against 7.0% and 60.5% at one to one, the mix of the committed model.
+SFT_SHARE = {"dllm": {"countdown": 1.0, "sudoku": 1.0}, "ar": {"countdown": 1.0, "sudoku": 1.0}}
 GEN_LENGTH = 64
 
 
 def sft_data(n_per_task: int, seed: int, model: str):
     data = []
-    for name, kwargs in SFT_TASKS.items():
-        data += solver_examples(build_task(name, **kwargs), n_per_task, seed, with_steps=WITH_STEPS[model][name])
+    for name, kwargs in SFT_TASKS[model].items():
+        data += solver_examples(build_task(name, **kwargs), round(n_per_task * SFT_SHARE[model][name]), seed,
+                                with_steps=WITH_STEPS[model][name])
     return data
 
 
@@ -129,7 +139,7 @@ def reuse_built(out: Path, model_class):
 def build_dllm(out: Path, steps: int, n_per_task: int, eval_prompts: int, seed: int, command: str,
                eval_only: bool = False) -> dict:
     start = time.perf_counter()
-    tokenizer = build_char_tokenizer(model_max_length=256)
+    tokenizer = build_char_tokenizer(model_max_length=256, pad_single_digits=True)
     config = DiffusionLMConfig(vocab_size=len(tokenizer), hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
                                max_position_embeddings=256, mask_token_id=tokenizer.mask_token_id,
                                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
@@ -158,10 +168,13 @@ def build_dllm(out: Path, steps: int, n_per_task: int, eval_prompts: int, seed: 
         "what": "A small masked-diffusion LM (dllm-rl's native architecture) trained to be a weak policy "
                 "with room for RL: it solves some, not most, of the tasks.",
         "arch": "bidirectional transformer, 4 layers, hidden 256, 4 heads, SwiGLU 704, RoPE, RMSNorm",
-        "data": "answers only, no step traces; Sudoku SFT puzzles have 6-10 blanks, easier than the 8-12 of "
-                "the task default it is evaluated on",
+        "data": "answers only, no step traces; Countdown answers aligned with the prompt's list (numbers in its "
+                "order, no brackets, a space before each operator: `83 -64 -4` for [83, 64, 4]; the ~40% of "
+                "instances without such an answer are left out); Sudoku SFT puzzles have 6-10 blanks, easier "
+                "than the 8-12 of the task default it is evaluated on",
         "tokenizer": "character-level (printable ASCII + special tokens), "
-                     f"{len(tokenizer)} ids; pad, mask, eos, bos, unk",
+                     f"{len(tokenizer)} ids; pad, mask, eos, bos, unk; a standalone one-digit number is read "
+                     "with a leading zero (4 as 04) and written back without it",
         "training": f"masked-diffusion SFT (linear schedule, mean CE over masked tokens: see "
                     f"`dllm_rl.sft.diffusion_sft_loss` for why not LLaDA's 1/t weight here), {steps} steps x 64 "
                     f"sequences, AdamW lr 2e-3 cosine, {precision_of(log)}; {len(data)} examples; gen window {GEN_LENGTH}",
