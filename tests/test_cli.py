@@ -105,6 +105,14 @@ def test_generate_command(saved_dllm, capsys):
     assert "--- sample 0" in out and "--- sample 1" in out
 
 
+def test_generate_notes_a_literal_backslash_n_and_keeps_real_newlines(saved_dllm, capsys):
+    settings = ["rollout.gen_length=16", "rollout.block_length=8", "rollout.steps=8"]
+    assert cli.main(["generate", f"model={saved_dllm}", "prompt='Numbers: [3, 5]\\nTarget: 8'", *settings]) == 0
+    assert "literal backslash-n" in capsys.readouterr().out
+    assert cli.main(["generate", f"model={saved_dllm}", "prompt='Numbers: [3, 5]\nTarget: 8'", *settings]) == 0
+    assert "literal backslash-n" not in capsys.readouterr().out
+
+
 def test_eval_command_writes_samples_and_summary(saved_dllm, tmp_path, capsys):
     out_dir = tmp_path / "eval"
     args = ["eval", f"model={saved_dllm}", "task=sudoku", "num_prompts=3", "num_samples=2", "rollout.temperature=1.0",

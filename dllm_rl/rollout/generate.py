@@ -88,6 +88,9 @@ def run_generate(*, model: str, prompt: str, rollout: dict[str, Any], kind: str 
     from dllm_rl.data.task import render_prompt
 
     require(num_samples > 0, f"num_samples must be positive, got {num_samples}")
+    if "\\n" in prompt:  # Hydra keeps a typed backslash-n as two characters; a prompt rarely means that
+        print_fn("note: the prompt holds a literal backslash-n, not a newline (the override grammar does not "
+                 "unescape it); for newlines pass real ones, e.g. in bash $'prompt=\\'line one\\nline two\\''")
     generator = load_generator(model, kind=kind, dtype=dtype, **rollout)
     text = render_prompt(prompt, generator.tokenizer) if chat else prompt
     completions = generator([text] * num_samples, [seed + i for i in range(num_samples)])
