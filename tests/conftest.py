@@ -50,3 +50,24 @@ def saved_model(tiny_policy, char_tokenizer, tmp_path):
     tiny_policy.model.save_pretrained(path)
     char_tokenizer.save_pretrained(path)
     return str(path)
+
+
+def weights_checksum(model_dir) -> tuple[float, float]:
+    """(sum of every weight, sum of every weight times ((its flat index mod 7) - 3)) of a model directory, in
+    float64: the golden-number tests pin it. The second sum catches updates that move weights by equal and
+    opposite amounts."""
+    import torch
+    from safetensors.torch import load_file
+
+    weights = load_file(str(Path(model_dir) / "model.safetensors"))
+    total = weighted = 0.0
+    for key in sorted(weights):
+        flat = weights[key].double().flatten()
+        total += float(flat.sum())
+        weighted += float((flat * (torch.arange(flat.numel(), dtype=torch.float64) % 7 - 3)).sum())
+    return total, weighted
+
+
+@pytest.fixture
+def checksum():
+    return weights_checksum

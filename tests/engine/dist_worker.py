@@ -25,9 +25,10 @@ SETTINGS = dict(
     likelihood={"name": "mean_field"},
     algo={"advantage": "mean", "beta": 0.04},
     external={"name": "solver"},
-    mixing={"per_prompt": 1, "trigger": "schedule", "decay_steps": 3, "keep": "correct"},
+    mixing={"per_prompt": 1, "trigger": "schedule", "decay_steps": 3, "keep": "correct", "likelihood": None},
     prompts_per_step=4, group_size=2, minibatch_size=4, eval_every=0, sample_every=0, tensorboard=False,
-    lr=1e-3, bf16=False, ref_sync_every=2, checkpoint_every=2, print_fn=lambda *_: None,
+    lr=1e-3, lr_schedule="constant", warmup=0, bf16=False, ref_sync_every=2, checkpoint_every=2,
+    print_fn=lambda *_: None,
 )
 PROMPTS = ["12+7=", "3*4=", "9-5=", "8+8="]
 

@@ -88,6 +88,25 @@ def test_every_stage_agrees_with_the_single_process_run(runs):
     assert any(not torch.equal(start[k], moved[k]) for k in start)
 
 
+# Golden numbers of the two-rank ZeRO-2 run (dist_worker.SETTINGS, fp32), written down before the step was
+# split into stages: per step (loss/policy, loss/kl, reward/on_policy, reward/external), then the checksum of
+# the weights after step 2 as tests/test_golden.py computes it. An untrained model earns no on-policy reward
+# on arithmetic; the solver's rows (reward 1) carry the signal.
+ZERO2_GOLDEN = ([(-0.25526617497099263, 0.0026527736951017155, 0.0, 1.0),
+                 (-0.2982877045869827, 0.02205821592360735, 0.0, 1.0)],
+                (161.17102874720968, -25.71511185217696))
+
+
+def test_two_ranks_at_zero2_give_the_golden_numbers(runs, checksum):
+    _, _, two = runs
+    run = two / "zero2"
+    steps, expected_checksum = ZERO2_GOLDEN
+    got = [(m["loss/policy"], m["loss/kl"], m["reward/on_policy"], m["reward/external"]) for m in metrics(run)]
+    assert got == [pytest.approx(s, rel=1e-5, abs=1e-7) for s in steps]
+    # fp32 rounding differs from one process (the loss is summed over ranks): a little more room than one run
+    assert checksum(run / "checkpoints" / "step_000002") == pytest.approx(expected_checksum, rel=0, abs=1e-5)
+
+
 def test_zero3_resume_continues_exactly(runs):
     root, _, two = runs
     launched(two, str(root / "model"), "resume")  # zero3: 2 steps + resume to 3; and 3 steps straight
