@@ -11,7 +11,6 @@ before the loss.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,18 +22,6 @@ from dllm_rl.errors import pick
 from dllm_rl.likelihood.estimators import ESTIMATORS, estimate_logp
 
 MINIBATCH_MIXES = ("stratified", "mixed")
-
-
-def derive_seed(*parts: Any) -> int:
-    """A 63-bit seed from any parts, stable across processes (unlike Python's hash())."""
-    return int.from_bytes(hashlib.blake2b("|".join(map(str, parts)).encode(), digest_size=8).digest(), "big") >> 1
-
-
-def completion_mask(completion_NC: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """1 on completion tokens up to and including the first EOS (the EOS fill after it does not count)."""
-    is_eos_NC = completion_NC == eos_id
-    after_first_NC = (is_eos_NC.long().cumsum(-1) - is_eos_NC.long()) > 0
-    return (~after_first_NC).float()
 
 
 def score_rollouts(policy, likelihood: dict, ids_NL, attention_mask_NL, P, seeds_N, order_NC, mask_NC):

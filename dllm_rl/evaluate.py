@@ -14,7 +14,6 @@ formatted, reason, num_tokens, sample, source) and `summary.json` into `output_d
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -26,6 +25,7 @@ from tqdm import tqdm
 
 from dllm_rl.data.task import Task, render_prompt
 from dllm_rl.errors import require
+from dllm_rl.seeds import derive_seed
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -33,11 +33,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-def sample_seed(seed: int, prompt_index: int, sample_index: int) -> int:
-    digest = hashlib.blake2b(f"{seed}|{prompt_index}|{sample_index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") >> 1
 
 
 def ks_up_to(n: int) -> list[int]:
@@ -85,7 +80,7 @@ def evaluate_task(
     for lo in range(0, len(jobs), batch_size):
         batch = jobs[lo : lo + batch_size]
         prompts = [render_prompt(task.prompt(examples[i]), tokenizer) for i, _ in batch]
-        completions = generate(prompts, [sample_seed(seed, i, j) for i, j in batch])
+        completions = generate(prompts, [derive_seed(seed, i, j) for i, j in batch])
         for (i, j), prompt, completion in zip(batch, prompts, completions):
             reward = task.reward(completion.text, examples[i])
             records.append({

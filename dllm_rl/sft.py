@@ -10,7 +10,6 @@ Causal-LM SFT is next-token cross-entropy on the completion and its EOS only.
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from tqdm import tqdm
 
 from dllm_rl.data.task import Task, render_completion, render_prompt
 from dllm_rl.errors import ConfigError, require
+from dllm_rl.optim import lr_factor
 from dllm_rl.policy.adapters import DiffusionPolicy
 from dllm_rl.policy.schedule import MaskingSchedule
 from dllm_rl.precision import resolve_bf16
@@ -145,13 +145,6 @@ def causal_sft_loss(model, ids_BL, attention_mask_BL, labels_BL) -> torch.Tensor
 # ------------------------------------------------------------------------------------------- the loop
 
 
-def cosine_lr(step: int, total: int, warmup: int, peak: float, floor_ratio: float = 0.1) -> float:
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return peak * (floor_ratio + (1 - floor_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
 def train_sft(
     loss_fn: Callable[[list[SFTExample], torch.Generator], torch.Tensor],
     parameters,
@@ -181,7 +174,7 @@ def train_sft(
     bar = tqdm(range(steps), desc="sft", unit="step", disable=None)
     for step in bar:
         for group in optimizer.param_groups:
-            group["lr"] = cosine_lr(step, steps, warmup, lr)
+            group["lr"] = lr * lr_factor(step, steps, "cosine", warmup, floor=0.1)
         batch = rng.sample(list(examples), batch_size) if len(examples) < 4 * batch_size else [
             examples[rng.randrange(len(examples))] for _ in range(batch_size)]
         with autocast:

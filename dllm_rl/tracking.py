@@ -6,10 +6,12 @@ other ranks get a tracker that does nothing, so the loop never asks which rank i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 # The console line: (metric key, label, format); missing keys are skipped.
 CONSOLE_FIELDS = [
@@ -27,6 +29,24 @@ def console_line(step: int, total: int, metrics: dict[str, float]) -> str:
         if key in metrics and isinstance(metrics[key], (int, float)) and math.isfinite(metrics[key]):
             parts.append(f"{label} {fmt.format(metrics[key])}")
     return " | ".join(parts)
+
+
+class PhaseTimer:
+    """Wall-clock seconds per named phase of a step: `with timer("rollout"): ...` adds to `perf/rollout_s`."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+    def metrics(self) -> dict[str, float]:
+        return {f"perf/{phase}_s": s for phase, s in self.seconds.items()}
 
 
 class Tracker:

@@ -34,8 +34,9 @@ from tqdm import tqdm
 
 from dllm_rl.algo.advantages import ADVANTAGE_FNS, compute_advantages
 from dllm_rl.algo.losses import aggregation_units, grpo_loss
-from dllm_rl.buffer import (Rows, completion_mask, derive_seed, inert_rows, loss_inputs, rank_plan,
-                            num_minibatches)
+from dllm_rl.buffer import Rows, inert_rows, loss_inputs, rank_plan, num_minibatches
+from dllm_rl.seeds import derive_seed
+from dllm_rl.optim import lr_factor
 from dllm_rl.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from dllm_rl.data.task import Example, Task, render_prompt
 from dllm_rl.errors import ConfigError, check_kwargs, pick, require
@@ -48,7 +49,7 @@ from dllm_rl.likelihood.estimators import ESTIMATORS
 from dllm_rl.policy.adapters import hidden_size_of, load_policy
 from dllm_rl.precision import resolve_bf16
 from dllm_rl.rollout.generate import TextGenerator
-from dllm_rl.rollout.sampler import completion_texts
+from dllm_rl.rollout.sampler import completion_mask, completion_texts
 from dllm_rl.tracking import NullTracker, Tracker, console_line
 
 
@@ -94,14 +95,6 @@ def require_cpu_accelerator() -> None:
     """The trainer keeps its batches on the CPU; DeepSpeed would move the model to a GPU where there is one."""
     require(not on_gpu(), "dllm-rl train runs on the CPU for now (its batches are not placed on GPUs yet); this "
             "machine has a GPU, so set DS_ACCELERATOR=cpu to train on its CPU")
-
-
-def lr_lambda(schedule: str, warmup: int, total: int):
-    if schedule == "constant":
-        return lambda step: min(1.0, (step + 1) / max(1, warmup))
-    if schedule == "cosine":
-        return lambda step: min(1.0, (step + 1) / max(1, warmup)) * 0.5 * (1 + math.cos(math.pi * min(1.0, step / total)))
-    raise ConfigError(f"lr_schedule must be 'constant' or 'cosine', got {schedule!r}")
 
 
 def train(
@@ -194,7 +187,7 @@ def train(
             reference_net = load_policy(str(source), kind=policy.kind)[0].model
     net = policy.model.train()
     optimizer = torch.optim.AdamW(net.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(lr_schedule, warmup, steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, steps, lr_schedule, warmup))
     engine = Engine(net, optimizer, world, ds_config)
     policy = dataclasses.replace(policy, model=engine.ds)
     reference = None if reference_net is None else dataclasses.replace(policy, model=engine.reference(reference_net))

@@ -23,7 +23,8 @@ from dllm_rl.data.task import render_prompt
 from dllm_rl.likelihood.estimators import ESTIMATORS
 from dllm_rl.policy.adapters import load_policy
 from dllm_rl.rollout.generate import TextGenerator
-from dllm_rl.buffer import completion_mask, score_rollouts
+from dllm_rl.buffer import score_rollouts
+from dllm_rl.rollout.sampler import completion_mask
 
 OPTIONS = {"mean_field": {}, "elbo": {"num_masks": 4}, "coupled": {"num_masks": 1}, "ordered": {"group": 8},
            "left_to_right": {"group": 8}}

@@ -15,7 +15,7 @@ from dllm_rl.checkpoint import latest_checkpoint
 from dllm_rl.data import build_task
 from dllm_rl.data.task import Example, Reward
 from dllm_rl.errors import ConfigError
-from dllm_rl.buffer import completion_mask
+from dllm_rl.rollout.sampler import completion_mask
 from dllm_rl.train import train
 
 SMALL = dict(

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 
 from dllm_rl.data.answers import extract_tag, is_formatted
-from dllm_rl.data.task import D1_FORMAT, Example, Reward, Solution, check_common, sample_unique, score
+from dllm_rl.data.task import D1_FORMAT, Example, GeneratedTask, Reward, Solution, score
 from dllm_rl.errors import require
 
 _INTEGER = re.compile(r"[+-]?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]{1,40})", re.ASCII)
@@ -50,7 +50,7 @@ def arithmetic_reward(completion: str, answer: int, format_weight: float = 0.0) 
 
 
 @dataclass(frozen=True)
-class Arithmetic:
+class Arithmetic(GeneratedTask):
     name = "arithmetic"
     digits: tuple[int, int] = (1, 3)
     num_operands: tuple[int, int] = (2, 3)
@@ -70,7 +70,7 @@ class Arithmetic:
                 f"num_operands must be an integer or a [min, max] pair within [2, 8], got {list(self.num_operands)}")
         require(bool(self.ops) and set(self.ops) <= set("+-*"),
                 f"ops must be a non-empty string of '+', '-', '*', got {self.ops!r}")
-        check_common("train", None, self.test_fraction, self.prompt_style)
+        self.check_style()
 
     def draw(self, rng: random.Random) -> Example:
         count = rng.randint(*self.num_operands)
@@ -83,13 +83,10 @@ class Arithmetic:
         value, _ = evaluate_steps(operands, ops)
         return Example(self.name, expression, expression, str(value), {"operands": operands, "ops": ops})
 
-    def examples(self, split: str, n: int | None, seed: int) -> list[Example]:
-        check_common(split, n, self.test_fraction, self.prompt_style)
-        return sample_unique(self.name, split, n or 1000, seed, self.test_fraction, self.draw)
+    def compact_prompt(self, example: Example) -> str:
+        return f"Compute {example.question}\n"
 
-    def prompt(self, example: Example) -> str:
-        if self.prompt_style == "compact":
-            return f"Compute {example.question}\n"
+    def d1_prompt(self, example: Example) -> str:
         return (
             f"Compute {example.question}. Multiplication comes before addition and subtraction. "
             "Give only the final integer inside the answer tags.\n" + D1_FORMAT.format(answer_hint="integer")

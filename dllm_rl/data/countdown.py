@@ -19,7 +19,7 @@ from fractions import Fraction
 
 from dllm_rl.data.answers import extract_tag, is_formatted
 from dllm_rl.data.task import (
-    D1_FORMAT, Example, Reward, Solution, check_common, sample_unique, score,
+    D1_FORMAT, Example, GeneratedTask, Reward, Solution, score,
 )
 from dllm_rl.errors import require
 
@@ -246,7 +246,7 @@ def steps_of(tree) -> list[str]:
 
 
 @dataclass(frozen=True)
-class Countdown:
+class Countdown(GeneratedTask):
     name = "countdown"
     num_numbers: tuple[int, ...] = (3,)
     min_number: int = 1
@@ -273,7 +273,7 @@ class Countdown:
                 f"need 1 <= min_number <= max_number, got {self.min_number} and {self.max_number}")
         require(self.min_target <= self.max_target,
                 f"need min_target <= max_target, got {self.min_target} and {self.max_target}")
-        check_common("train", None, self.test_fraction, self.prompt_style)
+        self.check_style()
 
     def draw(self, rng: random.Random) -> Example:
         """Numbers uniform in range; a random tree over them with positive integer intermediates."""
@@ -298,14 +298,11 @@ class Countdown:
     def question(numbers: list[int], target: int) -> str:
         return f"Numbers: {numbers}\nTarget: {target}"
 
-    def examples(self, split: str, n: int | None, seed: int) -> list[Example]:
-        check_common(split, n, self.test_fraction, self.prompt_style)
-        return sample_unique(self.name, split, n or 1000, seed, self.test_fraction, self.draw)
+    def compact_prompt(self, example: Example) -> str:
+        return f"Countdown. {example.question}\n"
 
-    def prompt(self, example: Example) -> str:
+    def d1_prompt(self, example: Example) -> str:
         numbers, target = example.meta["numbers"], example.meta["target"]
-        if self.prompt_style == "compact":
-            return f"Countdown. {example.question}\n"
         return (
             f"Using only the numbers {numbers}, write an arithmetic expression that evaluates to exactly "
             f"{target}. Use every number from the list exactly once, with the operations +, -, * and / "

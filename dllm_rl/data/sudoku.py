@@ -19,7 +19,7 @@ from functools import lru_cache
 
 from dllm_rl.data.answers import extract_tag, is_formatted
 from dllm_rl.data.task import (
-    D1_FORMAT, Example, Reward, Solution, check_common, sample_unique, score,
+    D1_FORMAT, Example, GeneratedTask, Reward, Solution, score,
 )
 from dllm_rl.errors import require
 
@@ -144,7 +144,7 @@ def solve_steps(puzzle: str) -> tuple[str, tuple[str, ...]] | None:
 
 
 @dataclass(frozen=True)
-class Sudoku:
+class Sudoku(GeneratedTask):
     name = "sudoku"
     blanks: tuple[int, int] = (8, 12)
     partial_credit: bool = False
@@ -160,19 +160,16 @@ class Sudoku:
             f"blanks must be an integer or a [min, max] pair within [1, {MAX_BLANKS}] "
             f"(a unique 4x4 solution needs at least 4 clues), got {list(blanks)}",
         )
-        check_common("train", None, self.test_fraction, self.prompt_style)
+        self.check_style()
 
     def draw(self, rng: random.Random) -> Example:
         puzzle, solution = make_puzzle(rng, rng.randint(*self.blanks))
         return Example(self.name, puzzle, f"Puzzle: {puzzle}", solution, {"puzzle": puzzle})
 
-    def examples(self, split: str, n: int | None, seed: int) -> list[Example]:
-        check_common(split, n, self.test_fraction, self.prompt_style)
-        return sample_unique(self.name, split, n or 1000, seed, self.test_fraction, self.draw)
+    def compact_prompt(self, example: Example) -> str:
+        return f"Sudoku. {example.question}\n"
 
-    def prompt(self, example: Example) -> str:
-        if self.prompt_style == "compact":
-            return f"Sudoku. {example.question}\n"
+    def d1_prompt(self, example: Example) -> str:
         return (
             "Please solve the following 4x4 Sudoku puzzle. The puzzle is a 16-character string read "
             "left to right, top to bottom, where '0' is an empty cell.\nRules: fill every '0'; each row, "

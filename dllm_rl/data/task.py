@@ -122,6 +122,37 @@ def sample_unique(
     )
 
 
+class GeneratedTask:
+    """What the procedurally generated tasks (Sudoku, Countdown, arithmetic) share. A subclass is a frozen
+    dataclass with the fields `test_fraction` and `prompt_style`, a `name`, and the methods `draw(rng)` (one
+    random example), `compact_prompt(example)` and `d1_prompt(example)`; it calls `check_style()` in its
+    `__post_init__`."""
+
+    name: str
+    test_fraction: float
+    prompt_style: str
+
+    def check_style(self) -> None:
+        check_common("train", None, self.test_fraction, self.prompt_style)
+
+    def examples(self, split: str, n: int | None, seed: int) -> list[Example]:
+        """`n` distinct examples of `split` (1000 when n is None), the same for the same seed."""
+        check_common(split, n, self.test_fraction, self.prompt_style)
+        return sample_unique(self.name, split, n or 1000, seed, self.test_fraction, self.draw)
+
+    def prompt(self, example: Example) -> str:
+        return self.compact_prompt(example) if self.prompt_style == "compact" else self.d1_prompt(example)
+
+    def draw(self, rng: random.Random) -> Example:
+        raise NotImplementedError
+
+    def compact_prompt(self, example: Example) -> str:
+        raise NotImplementedError
+
+    def d1_prompt(self, example: Example) -> str:
+        raise NotImplementedError
+
+
 def render_prompt(
     text: str, tokenizer: Any = None, system_prompt: str | None = None
 ) -> str:

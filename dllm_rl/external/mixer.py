@@ -20,13 +20,14 @@ from typing import Any, Callable
 import torch
 
 from dllm_rl.algo import mixing
-from dllm_rl.buffer import Rows, completion_mask, derive_seed
+from dllm_rl.buffer import Rows
 from dllm_rl.data.task import Example, Task
 from dllm_rl.errors import ConfigError, check_kwargs, pick, require
 from dllm_rl.external.bridge import LENGTH_RULES, bridge, control_length, select, window_row
 from dllm_rl.external.sources import ExternalSource, build_source
 from dllm_rl.likelihood.estimators import ESTIMATORS
-from dllm_rl.rollout.sampler import left_pad
+from dllm_rl.rollout.sampler import completion_mask, left_pad
+from dllm_rl.seeds import derive_seed
 
 KEEP = ("correct", "all")
 

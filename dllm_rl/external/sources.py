@@ -27,6 +27,7 @@ import torch
 
 from dllm_rl.data.task import Example, Solution, Task, render_completion, render_prompt
 from dllm_rl.errors import ConfigError, check_kwargs, pick, require
+from dllm_rl.rollout.sampler import first_eos
 
 
 @dataclass(frozen=True)
@@ -74,8 +75,8 @@ class CausalLMSource:
             prompts = [render_prompt(task.prompt(examples[i]), tokenizer) for i, _ in batch]
             with torch.no_grad():
                 samples = self.generator.sample(prompts, [seeds[i][j] for i, j in batch])
-            for (i, _), row_C, prob_C in zip(batch, samples.completion_BC.tolist(), samples.confidence_BC):
-                end = row_C.index(eos_id) if eos_id in row_C else len(row_C)
+            ends = first_eos(samples.completion_BC, eos_id).tolist()
+            for (i, _), row_C, prob_C, end in zip(batch, samples.completion_BC.tolist(), samples.confidence_BC, ends):
                 logp = float(prob_C[: end + 1].double().log().sum())  # the EOS (if any) is a sampled token too
                 text = tokenizer.decode(row_C[:end], skip_special_tokens=True)
                 out[i].append(ExternalRollout(i, text, self.name, logp))

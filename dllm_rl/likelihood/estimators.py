@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from dllm_rl.errors import pick, require
 from dllm_rl.policy.adapters import DiffusionPolicy
+from dllm_rl.seeds import row_generators
 
 
 def _token_logp(policy: DiffusionPolicy, input_BL, attention_mask_BL, targets_BC, P: int) -> torch.Tensor:
@@ -48,15 +49,19 @@ def _token_logp(policy: DiffusionPolicy, input_BL, attention_mask_BL, targets_BC
     return -F.cross_entropy(logits_BCV.float().transpose(1, 2), targets_BC, reduction="none")
 
 
-def _generators(seeds_N: Sequence[int]) -> list[torch.Generator]:
-    return [torch.Generator().manual_seed(int(s)) for s in seeds_N]
-
-
 def antithetic_t(generator: torch.Generator, num: int, eps: float) -> torch.Tensor:
     """`num` times in [eps, 1] from one uniform offset and evenly spaced strata (low-variance sampling)."""
     u0 = torch.rand(1, generator=generator, dtype=torch.float64)
     u_M = (u0 + torch.arange(num, dtype=torch.float64) / num) % 1.0
     return eps + (1.0 - eps) * u_M
+
+
+def masks_at_times(generator: torch.Generator, num: int, C: int, eps: float,
+                   t_max: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(t_M1, is_masked_MC): `num` antithetic times in [eps, t_max] and, for each, every one of C tokens masked
+    independently with probability t. The draws the ELBO and coupled estimators share, in one order."""
+    t_M1 = antithetic_t(generator, num, eps)[:, None].clamp(max=t_max)
+    return t_M1, torch.rand((num, C), generator=generator, dtype=torch.float64) < t_M1
 
 
 # Every estimator takes the same runtime arguments (seeds_N, order_NC) so the trainer can call any of them;
@@ -71,7 +76,7 @@ def mean_field(policy, ids_NL, attention_mask_NL, prompt_length: int, *, seeds_N
     prompt_real_NP = attention_mask_NL[:, :P].bool()
     # drawn from the last prompt token backwards, so the mask of a prompt does not depend on how much left
     # padding its batch gave it (data-parallel ranks pad their own rows)
-    u_NP = torch.stack([torch.rand(P, generator=g).flip(0) for g in _generators(seeds_N)])
+    u_NP = torch.stack([torch.rand(P, generator=g).flip(0) for g in row_generators(seeds_N)])
     noisy_NL[:, :P] = ids_NL[:, :P].masked_fill((u_NP < prompt_mask_prob) & prompt_real_NP, policy.mask_id)
     return _token_logp(policy, noisy_NL, attention_mask_NL, ids_NL[:, P:], P)
 
@@ -91,9 +96,9 @@ def elbo(policy, ids_NL, attention_mask_NL, prompt_length: int, *, seeds_N, orde
     require(num_masks >= 1, f"num_masks must be >= 1, got {num_masks}")
     C = ids_NL.shape[1] - prompt_length
     masks, weights = [], []
-    for g in _generators(seeds_N):
-        t_M1 = antithetic_t(g, num_masks, eps)[:, None]
-        masks.append(torch.rand((num_masks, C), generator=g, dtype=torch.float64) < t_M1)
+    for g in row_generators(seeds_N):
+        t_M1, is_masked_MC = masks_at_times(g, num_masks, C, eps)
+        masks.append(is_masked_MC)
         weights.append((1.0 / t_M1).expand(num_masks, C))
     return _masked_passes(policy, ids_NL, attention_mask_NL, prompt_length,
                           torch.stack(masks), torch.stack(weights).float())
@@ -104,9 +109,8 @@ def coupled(policy, ids_NL, attention_mask_NL, prompt_length: int, *, seeds_N, o
     require(num_masks >= 1, f"num_masks must be >= 1, got {num_masks}")
     C = ids_NL.shape[1] - prompt_length
     masks, weights = [], []
-    for g in _generators(seeds_N):
-        t_M1 = antithetic_t(g, num_masks, eps)[:, None].clamp(max=1.0 - eps)
-        mask_a = torch.rand((num_masks, C), generator=g, dtype=torch.float64) < t_M1
+    for g in row_generators(seeds_N):
+        t_M1, mask_a = masks_at_times(g, num_masks, C, eps, t_max=1.0 - eps)
         masks.append(torch.cat([mask_a, ~mask_a]))
         weights.append(torch.cat([(1.0 / t_M1).expand(num_masks, C), (1.0 / (1.0 - t_M1)).expand(num_masks, C)]))
     return _masked_passes(policy, ids_NL, attention_mask_NL, prompt_length,

@@ -18,7 +18,8 @@ from dllm_rl.data.tokenizers import load_tokenizer
 from dllm_rl.errors import pick, require
 from dllm_rl.policy.adapters import DTYPES, MODEL_TYPES, DiffusionPolicy, load_policy
 from dllm_rl.rollout.causal import sample_causal
-from dllm_rl.rollout.sampler import completion_texts, denoise, left_pad, row_generators
+from dllm_rl.rollout.sampler import completion_texts, denoise, first_eos, left_pad
+from dllm_rl.seeds import row_generators
 from dllm_rl.types import Samples
 
 
@@ -63,7 +64,7 @@ class TextGenerator:
     def __call__(self, prompts: Sequence[str], seeds: Sequence[int]) -> list[Completion]:
         samples = self.sample(prompts, seeds)
         texts = completion_texts(self.tokenizer, samples.completion_BC, self.eos_id)
-        lengths = [row.index(self.eos_id) if self.eos_id in row else len(row) for row in samples.completion_BC.tolist()]
+        lengths = first_eos(samples.completion_BC, self.eos_id).tolist()
         return [Completion(t, n) for t, n in zip(texts, lengths)]
 
 

@@ -46,10 +46,6 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Ten
     return ids_BP, mask_BP
 
 
-def row_generators(seeds: Sequence[int]) -> list[torch.Generator]:
-    return [torch.Generator().manual_seed(int(s)) for s in seeds]
-
-
 def check_sampler_args(gen_length: int, block_length: int, steps: int, prompt_length: int,
                        max_length: int | None, temperature: float, remasking: str, cfg_scale: float) -> int:
     """Validate the settings; returns the number of blocks."""
@@ -154,11 +150,21 @@ def denoise(
     return Samples(x_BL, attention_mask_BL, P, unmask_step_BC, confidence_BC)
 
 
+def first_eos(completion_BC: torch.Tensor, eos_id: int | None) -> torch.Tensor:
+    """lengths_B: the index of each row's first EOS, or C where it has none (the tokens before the EOS)."""
+    is_eos_BC = completion_BC == eos_id if eos_id is not None else torch.zeros_like(completion_BC, dtype=torch.bool)
+    C = completion_BC.shape[1]
+    # argmax returns the first maximal index; rows without an EOS have no 1 and get C
+    return torch.where(is_eos_BC.any(-1), is_eos_BC.int().argmax(-1), torch.full_like(is_eos_BC[:, 0], C, dtype=torch.long))
+
+
+def completion_mask(completion_BC: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """1.0 on completion tokens up to and including the first EOS (the EOS fill after it does not count)."""
+    lengths_B1 = first_eos(completion_BC, eos_id)[:, None]
+    return (torch.arange(completion_BC.shape[1], device=completion_BC.device) <= lengths_B1).float()
+
+
 def completion_texts(tokenizer, completion_BC: torch.Tensor, eos_id: int | None) -> list[str]:
     """Decode each completion up to (not including) its first EOS; special tokens are dropped."""
-    texts = []
-    for row in completion_BC.tolist():
-        if eos_id is not None and eos_id in row:
-            row = row[: row.index(eos_id)]
-        texts.append(tokenizer.decode(row, skip_special_tokens=True))
-    return texts
+    lengths = first_eos(completion_BC, eos_id).tolist()
+    return [tokenizer.decode(row[:n], skip_special_tokens=True) for row, n in zip(completion_BC.tolist(), lengths)]

@@ -3,7 +3,8 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from dllm_rl.rollout.causal import sample_causal
-from dllm_rl.rollout.sampler import left_pad, row_generators
+from dllm_rl.rollout.sampler import left_pad
+from dllm_rl.seeds import row_generators
 
 PROMPTS = ["Compute 12 + 7\n", "x", "Countdown. Numbers: [1, 2, 3]\n"]
 

@@ -4,7 +4,8 @@ import torch.nn.functional as F
 
 from dllm_rl.errors import ConfigError
 from dllm_rl.policy.schedule import MaskingSchedule
-from dllm_rl.rollout.sampler import completion_texts, denoise, left_pad, row_generators
+from dllm_rl.rollout.sampler import completion_texts, denoise, left_pad
+from dllm_rl.seeds import row_generators
 
 PROMPTS = ["Compute 12 + 7\n", "Sudoku. Puzzle: 0124041310400031\n", "x"]
 
