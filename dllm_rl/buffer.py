@@ -19,19 +19,9 @@ import torch
 
 from dllm_rl.data.task import Reward
 from dllm_rl.errors import pick
-from dllm_rl.likelihood.estimators import ESTIMATORS, estimate_logp
+from dllm_rl.likelihood.estimators import Estimator
 
 MINIBATCH_MIXES = ("stratified", "mixed")
-
-
-def score_rollouts(policy, likelihood: dict, ids_NL, attention_mask_NL, P, seeds_N, order_NC, mask_NC):
-    """(logp, mask) at the ratio level of the estimator: per token (N, C), or per sequence (N, 1)."""
-    options = {k: v for k, v in likelihood.items() if k != "name"}
-    logp_NC = estimate_logp(likelihood["name"], policy, ids_NL, attention_mask_NL, P, seeds_N=seeds_N,
-                            order_NC=order_NC, **options)
-    if ESTIMATORS[likelihood["name"]][1] == "sequence":
-        return (logp_NC * mask_NC).sum(-1, keepdim=True), torch.ones_like(mask_NC[:, :1])
-    return logp_NC, mask_NC
 
 
 @dataclass
@@ -48,7 +38,7 @@ class Rows:
     rewards: list[Reward]
     texts: list[str]
     version: int  # policy version (step) that made the rows; -1 for an external policy
-    likelihood: dict[str, Any]  # the estimator config these rows are scored with
+    estimator: Estimator  # what these rows are scored with
     behaviour_logp_N: torch.Tensor | None = None  # log mu(y|x) of the policy that wrote them, where known
     adv_N: torch.Tensor | None = None
     weight_N: torch.Tensor | None = None  # loss weight per row (None = 1)
@@ -73,20 +63,20 @@ class Rows:
         """(logp, level_mask) of `rows` under `policy`, with the stored mask seeds of `iteration`."""
         seeds = [self.mask_seeds[iteration][int(r)] for r in rows]
         order = None if self.order_NC is None else self.order_NC[rows]
-        return score_rollouts(policy, self.likelihood, self.ids_NL[rows], self.attention_mask_NL[rows],
-                              self.prompt_length, seeds, order, self.mask_NC[rows])
+        return self.estimator.score(policy, self.ids_NL[rows], self.attention_mask_NL[rows], self.prompt_length,
+                                    seeds, order, self.mask_NC[rows])
 
     def score_all(self, policy, iteration: int) -> torch.Tensor:
         return self.score(policy, torch.arange(len(self)), iteration)[0]
 
 
-def inert_rows(like: Rows, source: str, likelihood: dict[str, Any]) -> Rows:
+def inert_rows(like: Rows, source: str, estimator: Estimator) -> Rows:
     """One row of `source` that goes through every forward and backward but counts for nothing (mask 0,
     weight 0, advantage 0). Under ZeRO-3 every forward gathers parameters collectively, so a rank with no
     rows of a source that other ranks have scores this row instead, and all ranks make the same calls."""
     return Rows(source, like.ids_NL[:1], like.attention_mask_NL[:1], like.prompt_length,
                 torch.zeros_like(like.mask_NC[:1]), None, like.prompt_N[:1], like.rewards[:1], like.texts[:1],
-                like.version, likelihood, adv_N=torch.zeros(1), weight_N=torch.zeros(1), inert=True,
+                like.version, estimator, adv_N=torch.zeros(1), weight_N=torch.zeros(1), inert=True,
                 mask_seeds=[[0] for _ in like.mask_seeds])
 
 

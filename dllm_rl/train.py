@@ -45,7 +45,7 @@ from dllm_rl.engine import (ENGINE_OPTIONS, Engine, all_gather_objects, all_sum,
                              partitioned_loading)
 from dllm_rl.evaluate import evaluate_task
 from dllm_rl.external.mixer import build_mixer
-from dllm_rl.likelihood.estimators import ESTIMATORS
+from dllm_rl.likelihood.estimators import build_estimator
 from dllm_rl.policy.adapters import hidden_size_of, load_policy
 from dllm_rl.precision import resolve_bf16
 from dllm_rl.rollout.generate import TextGenerator
@@ -84,8 +84,6 @@ def check_train_args(group_size: int, prompts_per_step: int, inner_iterations: i
     require(minibatch_size >= 1, f"minibatch_size must be >= 1, got {minibatch_size}")
     require(steps >= 1, f"steps must be >= 1, got {steps}")
     require(lr > 0, f"lr must be > 0, got {lr}")
-    require(likelihood.get("name") in ESTIMATORS,
-            f"likelihood.name must be one of {sorted(ESTIMATORS)}, got {likelihood.get('name')!r}")
     require(algo.get("eps_low", 1) > 0, f"algo.eps_low must be > 0, got {algo.get('eps_low')}")
     require(algo.get("eps_high", 1) > 0, f"algo.eps_high must be > 0, got {algo.get('eps_high')}")
     require(algo.get("beta", 0) >= 0, f"algo.beta must be >= 0, got {algo.get('beta')}")
@@ -143,8 +141,8 @@ def train(
     pick(ADVANTAGE_FNS, advantage, "algo.advantage")
     loss_options = {k: v for k, v in algo.items() if k not in ("name", "advantage")}
     check_kwargs(grpo_loss, loss_options, "algo")
-    check_kwargs(ESTIMATORS[likelihood["name"]][0], {k: v for k, v in likelihood.items() if k != "name"}, "likelihood")
-    mixer = build_mixer(external, mixing, likelihood)
+    estimator = build_estimator(likelihood)
+    mixer = build_mixer(external, mixing, estimator)
     if mixer is not None:
         loss_options["shaping_gamma"] = mixer.config.shaping_gamma
     ds_options = {k: v for k, v in (deepspeed or {}).items() if k != "name"}
@@ -271,7 +269,7 @@ def train(
         rewards = [task.reward(text, examples[n // G]) for n, text in enumerate(completions)]
         on = Rows("on_policy", samples.sequences_BL, samples.attention_mask_BL, samples.prompt_length,
                   completion_mask(samples.completion_BC, eos_id), samples.unmask_step_BC,
-                  torch.arange(B).repeat_interleave(G), rewards, completions, version=step, likelihood=likelihood)
+                  torch.arange(B).repeat_interleave(G), rewards, completions, version=step, estimator=estimator)
         on.mask_seeds = mask_seeds("on_policy", N, first * G)
         rewards_BG = on.rewards_N.view(B, G)
         t1 = time.perf_counter()
@@ -293,7 +291,7 @@ def train(
             if ext is not None:
                 ext.mask_seeds = mask_seeds("external", len(ext), sum(counts[:world.rank]))
             elif stand_ins and any(counts):
-                ext = inert_rows(on, "external", mixer.likelihood)
+                ext = inert_rows(on, "external", mixer.estimator)
         parts = [on] + ([ext] if ext is not None else [])
         real_ext = ext if ext is not None and not ext.inert else None
         t2 = time.perf_counter()

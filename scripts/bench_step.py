@@ -20,10 +20,9 @@ import dllm_rl  # noqa: F401
 from dllm_rl.algo.losses import grpo_loss
 from dllm_rl.data import build_task
 from dllm_rl.data.task import render_prompt
-from dllm_rl.likelihood.estimators import ESTIMATORS
+from dllm_rl.likelihood.estimators import build_estimator
 from dllm_rl.policy.adapters import load_policy
 from dllm_rl.rollout.generate import TextGenerator
-from dllm_rl.buffer import score_rollouts
 from dllm_rl.rollout.sampler import completion_mask
 
 OPTIONS = {"mean_field": {}, "elbo": {"num_masks": 4}, "coupled": {"num_masks": 1}, "ordered": {"group": 8},
@@ -70,19 +69,19 @@ def main() -> None:
     optimizer = torch.optim.AdamW(policy.model.parameters(), lr=1e-6)
     rows = []
     for name, options in OPTIONS.items():
-        likelihood = {"name": name, **options}
+        estimator = build_estimator({"name": name, **options})
         counter = CountingPolicy(policy)
-        args_ = (likelihood, ids, attn, P, list(range(N)), samples.unmask_step_BC, mask)
+        args_ = (ids, attn, P, list(range(N)), samples.unmask_step_BC, mask)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             with torch.no_grad():
-                (old, _), old_s = timed(lambda: score_rollouts(counter, *args_))
+                (old, _), old_s = timed(lambda: estimator.score(counter, *args_))
             forwards = counter.rows / N
-            (logp, level_mask), forward_s = timed(lambda: score_rollouts(policy, *args_))
+            (logp, level_mask), forward_s = timed(lambda: estimator.score(policy, *args_))
         loss, _ = grpo_loss(logp.float(), old.float(), None, adv, level_mask)
         _, backward_s = timed(loss.backward)
         _, optim_s = timed(optimizer.step)
         optimizer.zero_grad(set_to_none=True)
-        rows.append({"estimator": name, "options": options, "ratio_level": ESTIMATORS[name][1],
+        rows.append({"estimator": name, "options": options, "ratio_level": estimator.level,
                      "forwards_per_sample": forwards, "score_old_s": old_s, "forward_grad_s": forward_s,
                      "backward_s": backward_s, "optimizer_s": optim_s, "rollout_s": rollout_s})
         r = rows[-1]

@@ -25,7 +25,7 @@ from dllm_rl.data.task import Example, Task
 from dllm_rl.errors import ConfigError, check_kwargs, pick, require
 from dllm_rl.external.bridge import LENGTH_RULES, bridge, control_length, select, window_row
 from dllm_rl.external.sources import ExternalSource, build_source
-from dllm_rl.likelihood.estimators import ESTIMATORS
+from dllm_rl.likelihood.estimators import Estimator, build_estimator
 from dllm_rl.rollout.sampler import completion_mask, left_pad
 from dllm_rl.seeds import derive_seed
 
@@ -77,23 +77,23 @@ def external_likelihood(on_policy: dict[str, Any], override: dict[str, Any] | No
     """The estimator config for external rows (see the module docstring)."""
     if override:
         name = override.get("name")
-        pick(ESTIMATORS, name, "mixing.likelihood.name")
-        require(not ESTIMATORS[name][2], f"mixing.likelihood.name={name!r} needs a denoising trajectory, which "
-                                         "external rollouts do not have; use mean_field, elbo, coupled or left_to_right")
+        require(not build_estimator(override, "mixing.likelihood").needs_trajectory,
+                f"mixing.likelihood.name={name!r} needs a denoising trajectory, which external rollouts do not have; "
+                "use mean_field, elbo, coupled or left_to_right")
         return dict(override)
-    if not ESTIMATORS[on_policy["name"]][2]:
+    if not build_estimator(on_policy).needs_trajectory:
         return dict(on_policy)
     return {"name": "left_to_right", **{k: v for k, v in on_policy.items() if k == "group"}}
 
 
 class ExternalMixer:
-    def __init__(self, source: ExternalSource, config: MixingConfig, on_policy_likelihood: dict[str, Any]):
+    def __init__(self, source: ExternalSource, config: MixingConfig, on_policy: Estimator):
         self.source, self.config = source, config
-        self.likelihood = external_likelihood(on_policy_likelihood, config.likelihood)
+        self.estimator = build_estimator(external_likelihood(on_policy.config, config.likelihood), "mixing.likelihood")
         if config.correction == "shaping":
-            require(ESTIMATORS[self.likelihood["name"]][1] == "token",
+            require(self.estimator.level == "token",
                     "mixing.correction=shaping works on per-token probabilities; the likelihood estimator "
-                    f"{self.likelihood['name']!r} is per sequence")
+                    f"{self.estimator.name!r} is per sequence")
         self.baseline = 0.0  # running mean of external rewards (statistic=running); saved with checkpoints
         self.warned: set[str] = set()
 
@@ -178,7 +178,7 @@ class ExternalMixer:
             rewards=[rw for _, _, rw, _ in kept],
             texts=[i.text for _, i, _, _ in kept],
             version=-1,
-            likelihood=self.likelihood,
+            estimator=self.estimator,
             behaviour_logp_N=(torch.tensor(behaviour, dtype=torch.float64)
                               if all(x is not None for x in behaviour) else None),
             shaped=self.config.correction == "shaping",
@@ -215,7 +215,7 @@ class ExternalMixer:
                 f"mixing.correction=is needs the behaviour log-prob of every external rollout; source "
                 f"{self.source.name!r} did not give one for all (a JSONL source needs 'behaviour_logp' on each line)")
         old_logp = ext.old_logp[0]
-        per_token = ESTIMATORS[ext.likelihood["name"]][1] == "token"
+        per_token = ext.estimator.level == "token"
         level_logp_N = (old_logp * ext.mask_NC).sum(-1) if per_token else old_logp[:, 0]
         log_w_all, start = gather(level_logp_N.double() - ext.behaviour_logp_N)
         w_all, metrics = self._weights_metrics(log_w_all)
@@ -229,7 +229,7 @@ class ExternalMixer:
 
 
 def build_mixer(external: dict[str, Any] | None, mixing_options: dict[str, Any] | None,
-                on_policy_likelihood: dict[str, Any]) -> ExternalMixer | None:
+                on_policy: Estimator) -> ExternalMixer | None:
     """None when `external.name` is "none" (on-policy GRPO only)."""
     external = dict(external or {"name": "none"})
     name = external.pop("name", "none")
@@ -237,4 +237,4 @@ def build_mixer(external: dict[str, Any] | None, mixing_options: dict[str, Any] 
         return None
     check_kwargs(MixingConfig, mixing_options or {}, "mixing")
     config = MixingConfig(**(mixing_options or {}))
-    return ExternalMixer(build_source(name, **external), config, on_policy_likelihood)
+    return ExternalMixer(build_source(name, **external), config, on_policy)

@@ -33,13 +33,15 @@ values (ELBO-based methods), since a per-token ratio of a 1/t-weighted Monte-Car
 
 from __future__ import annotations
 
+import inspect
 import math
-from typing import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
-from dllm_rl.errors import pick, require
+from dllm_rl.errors import check_types, did_you_mean, pick, require
 from dllm_rl.policy.adapters import DiffusionPolicy
 from dllm_rl.seeds import row_generators
 
@@ -161,3 +163,52 @@ def estimate_logp(name: str, policy, ids_NL, attention_mask_NL, prompt_length: i
     """logp_NC from the estimator called `name` (see ESTIMATORS); kwargs are its options."""
     fn, _, _ = pick(ESTIMATORS, name, "likelihood estimator")
     return fn(policy, ids_NL, attention_mask_NL, prompt_length, **kwargs)
+
+
+RUNTIME_ARGS = ("seeds_N", "order_NC")  # what the trainer passes per call; every other keyword is an option
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """One estimator with its options, built once from its config by `build_estimator`; what the trainer and
+    the buffer call instead of looking the name up in ESTIMATORS."""
+
+    name: str
+    fn: Callable[..., torch.Tensor]
+    level: str  # "token" | "sequence": the level of the importance ratio (see the module docstring)
+    needs_trajectory: bool  # needs order_NC, each token's unmask step (on-policy rollouts only)
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return {"name": self.name, **self.options}
+
+    def logp(self, policy, ids_NL, attention_mask_NL, prompt_length: int, seeds_N=None, order_NC=None) -> torch.Tensor:
+        """logp_NC, one value per completion token (see the module docstring)."""
+        return self.fn(policy, ids_NL, attention_mask_NL, prompt_length, seeds_N=seeds_N, order_NC=order_NC,
+                       **self.options)
+
+    def score(self, policy, ids_NL, attention_mask_NL, prompt_length: int, seeds_N, order_NC,
+              mask_NC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logp, level_mask) at the ratio level: per token (N, C) with `mask_NC`, or per sequence (N, 1), the
+        sum over the counted tokens, with a mask of ones."""
+        logp_NC = self.logp(policy, ids_NL, attention_mask_NL, prompt_length, seeds_N=seeds_N, order_NC=order_NC)
+        if self.level == "sequence":
+            return (logp_NC * mask_NC).sum(-1, keepdim=True), torch.ones_like(mask_NC[:, :1])
+        return logp_NC, mask_NC
+
+
+def build_estimator(config: dict[str, Any], key: str = "likelihood") -> Estimator:
+    """The estimator `config["name"]` with the rest of `config` as its options, checked by name and type;
+    errors name the config keys under `key`."""
+    options = dict(config)
+    name = options.pop("name", None)
+    require(name in ESTIMATORS, f"{key}.name must be one of {sorted(ESTIMATORS)}, got {name!r}")
+    fn, level, needs_trajectory = ESTIMATORS[name]
+    valid = [p.name for p in inspect.signature(fn).parameters.values()
+             if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in RUNTIME_ARGS]
+    for option in options:
+        require(option in valid, f"unknown config key {key + '.' + option!r}{did_you_mean(option, valid)}; valid "
+                                 f"keys under {key!r} for {name}: {['name', *valid]}")
+    check_types(fn, options, key)
+    return Estimator(name, fn, level, needs_trajectory, options)

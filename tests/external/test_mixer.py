@@ -6,15 +6,16 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from dllm_rl import buffer
 from dllm_rl.data import build_task
 from dllm_rl.data.task import render_prompt
 from dllm_rl.errors import ConfigError
 from dllm_rl.external.mixer import ExternalMixer, MixingConfig, build_mixer, external_likelihood
+from dllm_rl.likelihood.estimators import Estimator, build_estimator
 from dllm_rl.external.sources import ExternalRollout
 from dllm_rl.train import train
 
 SUDOKU = build_task("sudoku")
+MEAN_FIELD = build_estimator({"name": "mean_field"})
 
 
 @dataclass
@@ -42,7 +43,7 @@ def step_rows(mixer, tokenizer, correct_BG, examples, window=40):
 def test_all_failed_trigger_adds_rows_only_for_failed_prompts(char_tokenizer):
     examples = SUDOKU.examples("train", 3, 0)
     mixer = ExternalMixer(FixedSource(("<answer>{answer}</answer>",)),
-                          MixingConfig(per_prompt=1, trigger="all_failed"), {"name": "mean_field"})
+                          MixingConfig(per_prompt=1, trigger="all_failed"), MEAN_FIELD)
     correct_BG = torch.tensor([[False, True], [False, False], [False, False]])
     rows, metrics = step_rows(mixer, char_tokenizer, correct_BG, examples)
     assert rows.prompt_N.tolist() == [1, 2] and metrics["external/prompts"] == 2
@@ -59,19 +60,19 @@ def test_drop_keeps_overlong_rollouts_out_and_truncate_rescores(char_tokenizer):
     examples = SUDOKU.examples("train", 2, 0)
     templates = ("reasoning " * 5 + "<answer>{answer}</answer>", "<answer>{answer}</answer>")
     correct_BG = torch.zeros(2, 2, dtype=torch.bool)
-    drop = ExternalMixer(FixedSource(templates), MixingConfig(per_prompt=2, keep="all"), {"name": "mean_field"})
+    drop = ExternalMixer(FixedSource(templates), MixingConfig(per_prompt=2, keep="all"), MEAN_FIELD)
     rows, metrics = step_rows(drop, char_tokenizer, correct_BG, examples)
     assert metrics["external/too_long"] == 2 and len(rows) == 2
     assert all(len(t) <= 40 for t in rows.texts) and rows.mask_NC.sum(-1).max() <= 40
 
     truncate = ExternalMixer(FixedSource(templates), MixingConfig(per_prompt=2, keep="all", length_rule="truncate"),
-                             {"name": "mean_field"})
+                             MEAN_FIELD)
     rows, metrics = step_rows(truncate, char_tokenizer, correct_BG, examples)
     assert metrics["external/truncated"] == 2 and len(rows) == 4
     assert [r.correct for r in rows.rewards] == [False, True, False, True]  # the cut text lost its answer
 
     uncontrolled = ExternalMixer(FixedSource(templates), MixingConfig(per_prompt=2, length_rule="none"),
-                                 {"name": "mean_field"})
+                                 MEAN_FIELD)
     rows, _ = step_rows(uncontrolled, char_tokenizer, correct_BG, examples)
     assert rows.ids_NL.shape[1] - rows.prompt_length == len(templates[0].format(answer="x" * 16))
     # on data-parallel ranks the window is the widest over all ranks (`widest` stands in for the all-gather)
@@ -85,7 +86,7 @@ def test_drop_keeps_overlong_rollouts_out_and_truncate_rescores(char_tokenizer):
 def test_uncontrolled_rollouts_beyond_the_context_are_a_clear_error(char_tokenizer):
     examples = SUDOKU.examples("train", 1, 0)
     mixer = ExternalMixer(FixedSource(("x" * 200 + "<answer>{answer}</answer>",)),
-                          MixingConfig(per_prompt=1, length_rule="none"), {"name": "mean_field"})
+                          MixingConfig(per_prompt=1, length_rule="none"), MEAN_FIELD)
     with pytest.raises(ConfigError, match="exceed the dLLM's context of 128; use mixing.length_rule=drop"):
         step_rows(mixer, char_tokenizer, torch.zeros(1, 2, dtype=torch.bool), examples)
 
@@ -104,8 +105,8 @@ def test_bad_mixing_values_are_named():
     with pytest.raises(ConfigError, match="mixing.per_prompt must be >= 1"):
         MixingConfig(per_prompt=0)
     with pytest.raises(ConfigError, match="unknown config key 'mixing.ratio'"):
-        build_mixer({"name": "solver"}, {"ratio": 0.5}, {"name": "mean_field"})
-    assert build_mixer({"name": "none"}, {"ratio": 0.5}, {"name": "mean_field"}) is None
+        build_mixer({"name": "solver"}, {"ratio": 0.5}, MEAN_FIELD)
+    assert build_mixer({"name": "none"}, {"ratio": 0.5}, MEAN_FIELD) is None
 
 
 # ------------------------------------------------------------------------------------------ the trainer
@@ -150,15 +151,16 @@ def test_trainer_separate_vs_joint_processing(saved_model, tmp_path):
 @pytest.mark.slow
 def test_trainer_scores_external_rows_with_the_dllm_and_no_trajectory(saved_model, tmp_path, monkeypatch):
     calls = []
-    real = buffer.estimate_logp
+    real = Estimator.logp
 
-    def spy(name, policy, ids_NL, *args, order_NC=None, **kwargs):
-        calls.append((name, order_NC is not None, ids_NL.shape[0]))
-        return real(name, policy, ids_NL, *args, order_NC=order_NC, **kwargs)
+    def spy(self, policy, ids_NL, *args, order_NC=None, **kwargs):
+        calls.append((self.name, order_NC is not None, ids_NL.shape[0]))
+        return real(self, policy, ids_NL, *args, order_NC=order_NC, **kwargs)
 
-    monkeypatch.setattr(buffer, "estimate_logp", spy)
+    monkeypatch.setattr(Estimator, "logp", spy)
     metrics = train(SUDOKU, model=saved_model, run_dir=str(tmp_path / "run"), external={"name": "solver"},
-                    mixing={"per_prompt": 1, "correction": "is"}, likelihood={"name": "ordered", "group": 8}, **SMALL)
+                    mixing={"per_prompt": 1, "correction": "is", "likelihood": None},
+                    likelihood={"name": "ordered", "group": 8}, **SMALL)
     # on-policy rows (6) are scored with their trajectory; external rows (2) left to right, without one
     assert {c for c in calls if c[0] == "ordered"} == {("ordered", True, 6)}
     assert {c for c in calls if c[0] == "left_to_right"} == {("left_to_right", False, 2)}
