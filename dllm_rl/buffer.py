@@ -6,20 +6,23 @@ its prompt, reward and advantage, a loss weight, the mask seed of each inner ite
 reference log-probs once scored. Rows of one source share a prompt length P and a window C; sources may
 differ (external rows have their own prompt padding, and a longer window under `length_rule=none`), so
 each source is scored by its own forward passes and the per-token log-probs are padded to a common width
-before the loss.
+before the loss. Where the rows sit among all data-parallel ranks' rows is `dllm_rl.data_parallel`'s business.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from dllm_rl.data.task import Reward
 from dllm_rl.errors import pick
 from dllm_rl.likelihood.estimators import Estimator
+
+if TYPE_CHECKING:
+    from dllm_rl.data_parallel import Shard
 
 MINIBATCH_MIXES = ("stratified", "mixed")
 
@@ -35,7 +38,7 @@ class Rows:
     mask_NC: torch.Tensor  # 1 on the scored completion tokens (up to and including the first EOS)
     order_NC: torch.Tensor | None  # the step each token was unmasked at; None = no denoising trajectory
     prompt_N: torch.Tensor  # index of each row's prompt among the step's prompts
-    rewards: list[Reward]
+    rewards: list[Reward]  # one per row (empty until the verify stage scores the texts)
     texts: list[str]
     version: int  # policy version (step) that made the rows; -1 for an external policy
     estimator: Estimator  # what these rows are scored with
@@ -43,7 +46,8 @@ class Rows:
     adv_N: torch.Tensor | None = None
     weight_N: torch.Tensor | None = None  # loss weight per row (None = 1)
     shaped: bool = False  # LUFFY policy shaping instead of the clipped surrogate
-    inert: bool = False  # a stand-in row that is scored but counts for nothing (see `inert_rows`)
+    inert: bool = False  # a stand-in row that is scored but counts for nothing (data_parallel.stand_in)
+    shard: Shard | None = None  # where the rows sit among all ranks' rows of the source (data_parallel)
     mask_seeds: list[list[int]] = field(default_factory=list)  # [inner iteration][row]
     old_logp: list[torch.Tensor | None] = field(default_factory=list)  # [inner iteration] -> (N, C) or (N, 1)
     ref_logp: list[torch.Tensor | None] = field(default_factory=list)
@@ -70,16 +74,6 @@ class Rows:
         return self.score(policy, torch.arange(len(self)), iteration)[0]
 
 
-def inert_rows(like: Rows, source: str, estimator: Estimator) -> Rows:
-    """One row of `source` that goes through every forward and backward but counts for nothing (mask 0,
-    weight 0, advantage 0). Under ZeRO-3 every forward gathers parameters collectively, so a rank with no
-    rows of a source that other ranks have scores this row instead, and all ranks make the same calls."""
-    return Rows(source, like.ids_NL[:1], like.attention_mask_NL[:1], like.prompt_length,
-                torch.zeros_like(like.mask_NC[:1]), None, like.prompt_N[:1], like.rewards[:1], like.texts[:1],
-                like.version, estimator, adv_N=torch.zeros(1), weight_N=torch.zeros(1), inert=True,
-                mask_seeds=[[0] for _ in like.mask_seeds])
-
-
 def minibatch_plan(sizes: list[int], num_minibatches: int, mix: str, generator: torch.Generator) -> list[list[torch.Tensor]]:
     """For each minibatch, the row indices it takes from each part (parts of `sizes` rows).
 
@@ -96,15 +90,6 @@ def minibatch_plan(sizes: list[int], num_minibatches: int, mix: str, generator: 
     return plan
 
 
-def rank_plan(global_sizes: list[int], starts: list[int], local_sizes: list[int], num_minibatches: int, mix: str,
-              generator: torch.Generator) -> list[list[torch.Tensor]]:
-    """`minibatch_plan` over all ranks' rows, restricted to this rank's: part p's rows here are its global rows
-    [starts[p], starts[p] + local_sizes[p]). Every rank draws the single-process plan, so each minibatch holds
-    the rows a single process would put in it; a rank may hold none of a part's rows in a minibatch."""
-    plan = minibatch_plan(global_sizes, num_minibatches, mix, generator)
-    return [[idx[(idx >= s) & (idx < s + n)] - s for idx, s, n in zip(picks, starts, local_sizes)] for picks in plan]
-
-
 def num_minibatches(on_policy_rows: int, minibatch_size: int) -> int:
     """Minibatches per inner iteration: set by the on-policy rows; external rows are spread over them."""
     return math.ceil(on_policy_rows / minibatch_size)
@@ -115,18 +100,18 @@ def _pad_to(t: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def loss_inputs(parts: list[Rows], picks: list[torch.Tensor], policy, iteration: int, reuse_current: bool,
-                pad_empty: bool = False) -> tuple[dict, int]:
-    """(the arguments of `grpo_loss` for one minibatch, the number of stand-in rows among them): each part
-    scored on its picked rows, padded to one width. With `pad_empty` (several ranks) a part with no rows in
-    this minibatch is scored on its row 0 with mask and weight 0, so every rank runs one forward per part
-    (ZeRO-3's forwards are collective) and a rank never has an empty minibatch."""
-    pieces, stand_ins = [], 0
+                pad_empty: bool = False) -> dict[str, torch.Tensor | None]:
+    """The arguments of `grpo_loss` for one minibatch: each part scored on its picked rows, padded to one width.
+    With `pad_empty` (several ranks) a part with no rows in this minibatch is scored on its row 0 with mask and
+    weight 0, so every rank runs one forward per part (ZeRO-3's forwards are collective) and a rank never has
+    an empty minibatch; such a row adds nothing to the loss or to its normaliser (`aggregation_units`)."""
+    pieces = []
     for part, rows in zip(parts, picks):
         inert = len(rows) == 0
         if inert and not pad_empty:
             continue
         if inert:
-            rows, stand_ins = torch.zeros(1, dtype=torch.long), stand_ins + 1
+            rows = torch.zeros(1, dtype=torch.long)
         logp, level_mask = part.score(policy, rows, iteration)
         if inert:
             level_mask = torch.zeros_like(level_mask)
@@ -139,7 +124,7 @@ def loss_inputs(parts: list[Rows], picks: list[torch.Tensor], policy, iteration:
     width = max(p[0].shape[1] for p in pieces)
     logp, old, ref, adv, mask, weight, shaped = zip(*pieces)
     has_ref = all(r is not None for r in ref)
-    return ({
+    return {
         "logp_NC": torch.cat([_pad_to(t, width) for t in logp]),
         "old_logp_NC": torch.cat([_pad_to(t, width) for t in old]),
         "ref_logp_NC": torch.cat([_pad_to(t, width) for t in ref]) if has_ref else None,
@@ -147,4 +132,4 @@ def loss_inputs(parts: list[Rows], picks: list[torch.Tensor], policy, iteration:
         "mask_NC": torch.cat([_pad_to(t, width) for t in mask]),
         "weights_N": torch.cat(weight),
         "shaped_N": torch.cat(shaped),
-    }, stand_ins)
+    }

@@ -84,9 +84,8 @@ def run_train(cfg: dict[str, Any]) -> None:
 
     config = copy.deepcopy(cfg)
     task = build_task(**cfg.pop("task"))
-    check_kwargs(train, cfg, "")
     try:
-        train(task, config=config, **cfg)
+        train(task, saved_config=config, **cfg)  # the options are checked by TrainConfig
     except BaseException:
         shutdown(clean=False)
         raise

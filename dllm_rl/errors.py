@@ -37,11 +37,13 @@ def pick(table: dict[str, Any], name: str, what: str) -> Any:
     return table[name]
 
 
-def check_kwargs(fn: Callable, kwargs: dict[str, Any], prefix: str) -> None:
-    """Reject keys that `fn` does not accept, naming them as the user wrote them (`prefix.key`)."""
+def check_kwargs(fn: Callable, kwargs: dict[str, Any], prefix: str, exclude: Iterable[str] = ()) -> None:
+    """Reject keys that `fn` does not accept, or that it takes but a config must not set (`exclude`: runtime
+    arguments), naming them as the user wrote them (`prefix.key`)."""
     params = inspect.signature(fn).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return
+    params = [name for name in params if name not in set(exclude)]
     for key in kwargs:
         if key not in params:
             where = f"{prefix}.{key}" if prefix else key
@@ -65,6 +67,8 @@ def _matches(value: Any, hint: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
     if hint is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if origin is dict:
+        return isinstance(value, dict)
     if origin in (tuple, list):
         # Config lists arrive as lists; a bare scalar is accepted where a (min, max) pair is expected.
         items = value if isinstance(value, (list, tuple)) else [value]

@@ -146,7 +146,7 @@ def worker(args) -> None:
             logits_BLV = engine.ds(input_ids=ids_BL).logits
         loss = F.cross_entropy(logits_BLV.float().flatten(0, 1), targets_BL.flatten())
         del logits_BLV
-        engine.backward(loss)
+        engine.ds.backward(loss)
         census_s = 0.0
         if step == args.warmup + args.steps - 1:  # the optimizer state exists from the first step on
             census_start = time.perf_counter()

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dllm_rl.buffer import loss_inputs, minibatch_plan, num_minibatches, rank_plan
+from dllm_rl.buffer import loss_inputs, minibatch_plan, num_minibatches
 
 
 def test_stratified_plan_spreads_every_source_over_the_minibatches():
@@ -35,7 +35,7 @@ class Part:
 def test_loss_inputs_pad_sources_to_one_width():
     on = Part(torch.full((3, 4), -1.0), torch.tensor([1.0, 0.0, -1.0]), None, False)
     ext = Part(torch.full((2, 1), -5.0), torch.tensor([2.0, 2.0]), torch.tensor([0.5, 0.5]), True)  # per sequence
-    inputs, _ = loss_inputs([on, ext], [torch.tensor([0, 2]), torch.tensor([1])], None, 0, reuse_current=True)
+    inputs = loss_inputs([on, ext], [torch.tensor([0, 2]), torch.tensor([1])], None, 0, reuse_current=True)
     assert inputs["logp_NC"].tolist() == [[-1.0] * 4, [-1.0] * 4, [-5.0, 0.0, 0.0, 0.0]]
     assert inputs["mask_NC"].tolist() == [[1.0] * 4, [1.0] * 4, [1.0, 0.0, 0.0, 0.0]]
     assert inputs["adv_N"].tolist() == [1.0, -1.0, 2.0] and inputs["weights_N"].tolist() == [1.0, 1.0, 0.5]
@@ -47,47 +47,14 @@ def test_pad_empty_scores_a_stand_in_row_that_counts_for_nothing():
     on = Part(torch.full((3, 4), -1.0), torch.tensor([1.0, 0.0, -1.0]), None, False)
     ext = Part(torch.full((2, 4), -5.0), torch.tensor([2.0, 2.0]), None, False)
     picks = [torch.tensor([0, 2]), torch.tensor([], dtype=torch.long)]
-    inputs, stand_ins = loss_inputs([on, ext], picks, None, 0, reuse_current=True)
-    assert stand_ins == 0 and inputs["logp_NC"].shape == (2, 4)
-    padded, stand_ins = loss_inputs([on, ext], picks, None, 0, reuse_current=True, pad_empty=True)
-    assert stand_ins == 1 and padded["logp_NC"].shape == (3, 4)
+    inputs = loss_inputs([on, ext], picks, None, 0, reuse_current=True)
+    assert inputs["logp_NC"].shape == (2, 4)
+    padded = loss_inputs([on, ext], picks, None, 0, reuse_current=True, pad_empty=True)
+    assert padded["logp_NC"].shape == (3, 4)
     assert padded["mask_NC"][2].sum() == 0 and padded["weights_N"][2] == 0
     from dllm_rl.algo.losses import grpo_loss
 
-    for how in ("token", "sequence"):  # the stand-in row changes neither the loss nor its normaliser
-        a, _ = grpo_loss(**inputs, aggregation=how)
-        b, _ = grpo_loss(**padded, aggregation=how)
+    for how in ("token", "sequence", "constant"):  # the stand-in row changes neither the loss nor its normaliser
+        a, _ = grpo_loss(**inputs, aggregation=how, constant=4)
+        b, _ = grpo_loss(**padded, aggregation=how, constant=4)
         assert torch.allclose(a, b)
-
-
-def test_aggregation_units_are_what_aggregate_divides_by():
-    from dllm_rl.algo.losses import aggregation_units
-
-    mask = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
-    assert aggregation_units(mask, "token") == 3.0
-    assert aggregation_units(mask, "sequence") == 2.0
-    assert aggregation_units(mask, "constant") == 3.0
-    # two "ranks" rescaled by their share reproduce the loss over all rows (token aggregation)
-    from dllm_rl.algo.losses import aggregate
-
-    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
-    whole = aggregate(loss, mask, "token")
-    halves = [(loss[:1], mask[:1]), (loss[1:], mask[1:])]
-    total = sum(aggregation_units(m, "token") for _, m in halves)
-    parts = [aggregate(l, m, "token") * 2 * aggregation_units(m, "token") / total for l, m in halves]
-    assert torch.allclose(sum(parts) / 2, whole)
-
-
-@pytest.mark.parametrize("mix", ["stratified", "mixed"])
-def test_rank_plans_split_the_single_process_plan(mix):
-    """Two ranks holding on-policy rows 0-5 / 6-11 and external rows 0-1 / 2-4 together take exactly the rows
-    of each single-process minibatch."""
-    sizes = [12, 5]
-    whole = minibatch_plan(sizes, 3, mix, torch.Generator().manual_seed(7))
-    ranks = [rank_plan(sizes, starts, local, 3, mix, torch.Generator().manual_seed(7))
-             for starts, local in (([0, 0], [6, 2]), ([6, 2], [6, 3]))]
-    for k in range(3):
-        for p in range(2):
-            joined = torch.cat([ranks[0][k][p], ranks[1][k][p] + [6, 2][p]])
-            assert sorted(joined.tolist()) == sorted(whole[k][p].tolist())
-            assert all(len(r[k][p]) == 0 or int(r[k][p].max()) < n for r, n in zip(ranks, ([6, 2][p], [6, 3][p])))

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dllm_rl import cli, train as train_module
+from dllm_rl import cli, stages
 from dllm_rl.checkpoint import latest_checkpoint
 from dllm_rl.data import build_task
 from dllm_rl.data.task import Example, Reward
@@ -23,7 +23,7 @@ SMALL = dict(
     likelihood={"name": "mean_field"},
     algo={"advantage": "mean", "eps_low": 0.2, "eps_high": 0.2, "beta": 0.0},
     prompts_per_step=2, group_size=4, minibatch_size=8, eval_every=0, sample_every=1, tensorboard=False,
-    lr=1e-3, print_fn=lambda *_: None,
+    lr=1e-3, warmup=0, external={"name": "none"}, print_fn=lambda *_: None,
 )
 
 
@@ -161,13 +161,13 @@ def test_zero_variance_steps_complete_without_an_update(saved_model, tmp_path):
 
 
 def test_non_finite_losses_skip_updates_then_stop(saved_model, tmp_path, monkeypatch):
-    real = train_module.grpo_loss
+    real = stages.grpo_loss
 
     def nan_loss(*args, **kwargs):
         loss, metrics = real(*args, **kwargs)
         return loss * float("nan"), metrics
 
-    monkeypatch.setattr(train_module, "grpo_loss", nan_loss)
+    monkeypatch.setattr(stages, "grpo_loss", nan_loss)
     with pytest.warns(UserWarning, match="non-finite loss or gradient; update skipped"):
         with pytest.raises(RuntimeError, match="stopping: 2 non-finite updates in a row"):
             train(CountDigits(), model=saved_model, run_dir=str(tmp_path / "run"), steps=4, max_bad_steps=2, **SMALL)

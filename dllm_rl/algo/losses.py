@@ -111,57 +111,64 @@ def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 KL_FNS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
 
 
-# Each takes a loss already zeroed where the mask is 0, the 0/1 mask and the constant (used by "constant" only).
-def _token_mean(loss_NC: torch.Tensor, mask_NC: torch.Tensor, constant: float | None) -> torch.Tensor:
-    return loss_NC.sum() / mask_NC.sum().clamp(min=1.0)
+# Each takes a loss already zeroed where the mask is 0, the 0/1 mask, the constant (used by "constant" only)
+# and `units`, what it divides by (see `aggregation_units`).
+def _token_mean(loss_NC: torch.Tensor, mask_NC: torch.Tensor, constant: float | None, units) -> torch.Tensor:
+    return loss_NC.sum() / units
 
 
-def _sequence_mean(loss_NC: torch.Tensor, mask_NC: torch.Tensor, constant: float | None) -> torch.Tensor:
-    count_N = mask_NC.sum(dim=1)
-    per_row_N = loss_NC.sum(dim=1) / count_N.clamp(min=1.0)
-    return per_row_N.sum() / (count_N > 0).sum().clamp(min=1)
+def _sequence_mean(loss_NC: torch.Tensor, mask_NC: torch.Tensor, constant: float | None, units) -> torch.Tensor:
+    per_row_N = loss_NC.sum(dim=1) / mask_NC.sum(dim=1).clamp(min=1.0)
+    return per_row_N.sum() / units
 
 
-def _constant_sum(loss_NC: torch.Tensor, mask_NC: torch.Tensor, constant: float | None) -> torch.Tensor:
+def _constant_sum(loss_NC: torch.Tensor, mask_NC: torch.Tensor, constant: float | None, units) -> torch.Tensor:
     require(constant is not None and constant > 0,
             f"constant={constant!r}: the 'constant' aggregation needs a positive number (Dr.GRPO: the max "
             f"completion length)")
-    return loss_NC.sum() / (loss_NC.shape[0] * constant)
+    return loss_NC.sum() / (units * constant)
 
 
-AGGREGATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, float | None], torch.Tensor]] = {
+AGGREGATIONS: dict[str, Callable[..., torch.Tensor]] = {
     "token": _token_mean,
     "sequence": _sequence_mean,
     "constant": _constant_sum,
 }
 
 
-def aggregate(loss_NC: torch.Tensor, mask_NC: torch.Tensor, how: str, constant: float | None = None) -> torch.Tensor:
+def aggregate(loss_NC: torch.Tensor, mask_NC: torch.Tensor, how: str, constant: float | None = None,
+              global_units: float | None = None, ranks: int = 1) -> torch.Tensor:
     """A per-token loss as a scalar; `mask_NC` is 1 (or True) where a token counts, 0 elsewhere.
 
     - "token":    sum(loss * mask) / sum(mask). DAPO: every token weighs the same, long answers weigh more.
-    - "sequence": mean over rows of sum_t(loss * mask) / sum_t(mask), the original GRPO. Rows with no counted
-                  token are left out of the mean (they have no length to divide by); all rows empty -> 0.
-    - "constant": sum(loss * mask) / (N * constant). Dr.GRPO with constant = the max completion length.
+    - "sequence": sum over rows of sum_t(loss * mask) / sum_t(mask), divided by the rows with a counted token,
+                  the original GRPO. Rows with no counted token are left out (they have no length to divide by).
+    - "constant": sum(loss * mask) / (rows * constant), rows with a counted token. Dr.GRPO with constant = the
+                  max completion length (the rows without one are data-parallel stand-ins, never rollouts).
     `constant` is read by "constant" only. An all-zero mask gives 0, never NaN.
+
+    Data parallelism (verl's `agg_loss`): a minibatch split over `ranks` ranks, whose gradients the engine
+    averages, passes `global_units`, the sum over ranks of `aggregation_units` of their rows. Each rank then
+    divides its sum by the global count and multiplies by `ranks`, so the averaged gradient is the gradient of
+    the loss over all ranks' rows, whatever the split. None (one process): this call's own units.
     """
     fn = pick(AGGREGATIONS, how, "loss aggregation")
     _check_per_token(loss_NC, mask_NC=mask_NC)
+    require(ranks >= 1, f"ranks={ranks!r}: expected the number of data-parallel ranks (>= 1)")
+    units = aggregation_units(mask_NC, how) if global_units is None else global_units
     # where, not multiplication: NaN or inf at an ignored token would survive `* 0`.
     masked_NC = torch.where(mask_NC != 0, loss_NC, torch.zeros_like(loss_NC))
-    return fn(masked_NC, mask_NC.to(loss_NC.dtype), constant)
+    loss = fn(masked_NC, mask_NC.to(loss_NC.dtype), constant, max(units, 1.0))
+    return loss * ranks if ranks > 1 else loss
 
 
 def aggregation_units(mask_NC: torch.Tensor, how: str) -> float:
-    """What `aggregate` divides by, less the constant: counted tokens ("token"), rows with a counted token
-    ("sequence") or rows ("constant"). A data-parallel rank scales its loss by world_size * its units / all
-    ranks' units, so that the mean of the ranks' gradients is the gradient of the loss over all rows."""
+    """What `aggregate` divides by, less the constant: counted tokens ("token"), or rows with a counted token
+    ("sequence", "constant")."""
     pick(AGGREGATIONS, how, "loss aggregation")
     if how == "token":
         return float((mask_NC != 0).sum())
-    if how == "sequence":
-        return float(((mask_NC != 0).sum(dim=1) > 0).sum())
-    return float(mask_NC.shape[0])
+    return float(((mask_NC != 0).sum(dim=1) > 0).sum())
 
 
 def grpo_loss(
@@ -180,6 +187,8 @@ def grpo_loss(
     weights_N: torch.Tensor | None = None,
     shaped_N: torch.Tensor | None = None,
     shaping_gamma: float = 0.1,
+    global_units: float | None = None,
+    ranks: int = 1,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GRPO's loss (arXiv 2402.03300): clipped surrogate + beta * KL per token, times a per-row weight, aggregated.
 
@@ -188,7 +197,9 @@ def grpo_loss(
     Rows where the bool `shaped_N` is True (external rollouts under LUFFY's correction) use `shaped_surrogate`
     instead of the clipped one; they are not counted as clipped.
     The KL term needs `ref_logp_NC` when beta > 0 and is skipped when beta == 0. Works as well on sequence-level
-    log-probs, logp_N1 with mask_N1. Returns (loss, metrics); loss == loss/policy + beta * loss/kl.
+    log-probs, logp_N1 with mask_N1. `global_units` and `ranks` make the loss of a data-parallel rank its share
+    of the loss over all ranks' rows (see `aggregate`). Returns (loss, metrics); loss == loss/policy + beta *
+    loss/kl.
     """
     kl_fn = pick(KL_FNS, kl, "KL estimator")
     pick(AGGREGATIONS, aggregation, "loss aggregation")
@@ -215,15 +226,16 @@ def grpo_loss(
     if weights_N is not None:
         weight_N1 = weights_N.detach().to(policy_NC.dtype).unsqueeze(1)
         policy_NC, kl_NC = policy_NC * weight_N1, kl_NC * weight_N1
-    loss = aggregate(policy_NC + beta * kl_NC, mask_NC, aggregation, constant)
+    agg = dict(how=aggregation, constant=constant, global_units=global_units, ranks=ranks)
+    loss = aggregate(policy_NC + beta * kl_NC, mask_NC, **agg)
 
     with torch.no_grad():
         ratio_NC, _ = ratio_and_log_ratio(logp_NC, old_logp_NC)
         mask_f_NC = mask_NC.to(ratio_NC.dtype)
         num_counted = mask_f_NC.sum().clamp(min=1.0)
         values = torch.stack([
-            aggregate(policy_NC, mask_NC, aggregation, constant),
-            aggregate(kl_NC, mask_NC, aggregation, constant),
+            aggregate(policy_NC, mask_NC, **agg),
+            aggregate(kl_NC, mask_NC, **agg),
             (clipped_NC & is_counted_NC).sum() / num_counted,
             (ratio_NC * mask_f_NC).sum() / num_counted,
             torch.where(is_counted_NC, ratio_NC, torch.zeros_like(ratio_NC)).max(),

@@ -1,9 +1,10 @@
 """The learner's DeepSpeed engine: one object for every ZeRO stage and for one process or many.
 
 `Engine` wraps `deepspeed.initialize` around the policy network and a client torch AdamW (no DeepSpeed op
-is compiled), and gives the training loop the few verbs it needs: `backward`, `step` (which returns the
-gradient norm or None when it skipped a non-finite update), `gathered()` for generation, checkpoint
-save/load, `save_model` (a consolidated Hugging Face model directory) and a frozen reference copy.
+is compiled), and gives the training loop the few verbs it needs: `update(loss)` (backward, the non-finite
+checks and the optimizer step, in one call that says whether the update was applied), `gathered()` for
+generation, checkpoint save/load, `save_model` (a consolidated Hugging Face model directory) and a frozen
+reference copy.
 
 ZeRO-3 specifics:
 - parameters live partitioned (shape (0,) outside a gather). Scoring and training forwards go through
@@ -18,6 +19,8 @@ ZeRO-3 specifics:
 from __future__ import annotations
 
 import contextlib
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +29,15 @@ import torch
 from dllm_rl.engine.dist import World, any_rank, barrier
 
 CHECKPOINT_TAG = "deepspeed"  # the sub-directory of a checkpoint holding DeepSpeed's (sharded) states
+
+
+@dataclass(frozen=True)
+class Update:
+    """What `Engine.update` did: `applied` False means the weights did not move; `skipped` says why."""
+
+    applied: bool
+    grad_norm: float | None = None  # the pre-clip global gradient norm of an applied update
+    skipped: str = ""  # "non-finite loss" | "non-finite gradient"
 
 
 class Engine:
@@ -49,8 +61,16 @@ class Engine:
 
     # ------------------------------------------------------------------------------------ update
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def update(self, loss: torch.Tensor) -> Update:
+        """One optimizer update from `loss`, on every rank alike: skipped when the loss is non-finite on any
+        rank (nothing is back-propagated) or the gradient is (see `step`); else backward, clip and step."""
+        if any_rank(not math.isfinite(float(loss.detach())), self.world):
+            return Update(False, skipped="non-finite loss")
         self.ds.backward(loss)
+        norm = self.step()
+        if norm is None:
+            return Update(False, skipped="non-finite gradient")
+        return Update(True, grad_norm=norm)
 
     def step(self) -> float | None:
         """Clip (per the config) and step; returns the pre-clip global gradient norm, or None when it was

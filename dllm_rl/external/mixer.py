@@ -14,7 +14,7 @@ tokens weigh what a token-level row's tokens weigh.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -41,7 +41,8 @@ def local_only(t: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 @dataclass
 class MixingConfig:
-    """How external rollouts enter the step (every field is a `mixing.*` key of configs/train.yaml)."""
+    """How external rollouts enter the step (every field is a `mixing.*` key of configs/train.yaml, and the
+    defaults are the YAML's)."""
 
     per_prompt: int = 2
     candidates: int = 1
@@ -58,7 +59,9 @@ class MixingConfig:
     shaping_gamma: float = 0.1
     is_cap: float = 2.0
     is_self_normalize: bool = True
-    likelihood: dict[str, Any] | None = None
+    # the estimator for external rows; None = the on-policy one (left_to_right if that needs a trajectory).
+    # The ELBO beat mean-field for external rows (docs/erils.md: mean-field trains only the all-masked state)
+    likelihood: dict[str, Any] | None = field(default_factory=lambda: {"name": "elbo", "num_masks": 2, "eps": 0.001})
     minibatch_mix: str = "stratified"
 
     def __post_init__(self) -> None:

@@ -41,7 +41,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from dllm_rl.errors import check_types, did_you_mean, pick, require
+from dllm_rl.errors import check_kwargs, check_types, pick, require
 from dllm_rl.policy.adapters import DiffusionPolicy
 from dllm_rl.seeds import row_generators
 
@@ -205,10 +205,7 @@ def build_estimator(config: dict[str, Any], key: str = "likelihood") -> Estimato
     name = options.pop("name", None)
     require(name in ESTIMATORS, f"{key}.name must be one of {sorted(ESTIMATORS)}, got {name!r}")
     fn, level, needs_trajectory = ESTIMATORS[name]
-    valid = [p.name for p in inspect.signature(fn).parameters.values()
-             if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in RUNTIME_ARGS]
-    for option in options:
-        require(option in valid, f"unknown config key {key + '.' + option!r}{did_you_mean(option, valid)}; valid "
-                                 f"keys under {key!r} for {name}: {['name', *valid]}")
+    positional = [p.name for p in inspect.signature(fn).parameters.values() if p.kind is not p.KEYWORD_ONLY]
+    check_kwargs(fn, options, key, exclude=(*positional, *RUNTIME_ARGS))
     check_types(fn, options, key)
     return Estimator(name, fn, level, needs_trajectory, options)

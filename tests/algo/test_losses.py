@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dllm_rl.algo.losses import (AGGREGATIONS, KL_FNS, aggregate, clipped_surrogate, grpo_loss, kl_k1, kl_k2,
-                                 kl_k3, ratio_and_log_ratio)
+from dllm_rl.algo.losses import (AGGREGATIONS, KL_FNS, aggregate, aggregation_units, clipped_surrogate, grpo_loss,
+                                 kl_k1, kl_k2, kl_k3, ratio_and_log_ratio)
 from dllm_rl.errors import ConfigError
 
 E_HALF, E_MINUS_HALF = math.exp(0.5), math.exp(-0.5)  # 1.6487, 0.6065
@@ -84,8 +84,9 @@ def test_aggregation_hand_values():
     close(aggregate(LOSS, MASK, "token"), 7 / 3)
     # row means 1.5 and 4; the empty row is left out: (1.5 + 4) / 2 = 2.75
     close(aggregate(LOSS, MASK, "sequence"), 2.75)
-    # Dr.GRPO: 7 / (N=3 rows * constant 4) = 7/12
-    close(aggregate(LOSS, MASK, "constant", constant=4), 7 / 12)
+    # Dr.GRPO: 7 / (N rows * constant 4), N = 2 rows with a counted token (a rollout always has one; an empty
+    # row is a data-parallel stand-in, which must not count): 7/8
+    close(aggregate(LOSS, MASK, "constant", constant=4), 7 / 8)
     close(aggregate(LOSS, MASK.bool(), "token"), 7 / 3)  # a bool mask works the same
     assert set(AGGREGATIONS) == {"token", "sequence", "constant"}
 
@@ -96,6 +97,37 @@ def test_empty_mask_and_nan_padding_give_finite_values(how):
     with_nan = LOSS.clone()
     with_nan[0, 2], with_nan[2, 0] = float("nan"), float("inf")  # only at ignored tokens
     torch.testing.assert_close(aggregate(with_nan, MASK, how, constant=4), aggregate(LOSS, MASK, how, constant=4))
+
+
+def test_aggregation_units_are_what_aggregate_divides_by():
+    assert aggregation_units(MASK, "token") == 3.0  # counted tokens
+    assert aggregation_units(MASK, "sequence") == 2.0 == aggregation_units(MASK, "constant")  # rows with one
+
+
+@pytest.mark.parametrize("how", ["token", "sequence", "constant"])
+def test_ranks_given_the_global_units_average_to_the_one_process_loss_and_gradient(how):
+    """Rows split over two "ranks" (one also holding an empty stand-in row): each rank divides by the units
+    of both and multiplies by 2, so the mean over ranks, what DeepSpeed's gradient average computes, is the
+    loss (and gradient) of one process holding every row."""
+    logp, old, ref, adv, mask = random_inputs(seed=3)
+    options = dict(eps_low=0.2, eps_high=0.28, beta=0.04, aggregation=how, constant=5)
+    whole_logp = logp.clone().requires_grad_(True)
+    whole, _ = grpo_loss(whole_logp, old, ref, adv, mask, **options)
+    whole.backward()
+    halves = [slice(0, 2), slice(2, 6)]
+    inputs = [[t[rows] for t in (logp, old, ref, adv, mask)] for rows in halves]
+    inputs[0] = [torch.cat([t, t[:1]]) for t in inputs[0]]  # a stand-in: a copy of row 0 with mask 0 ...
+    inputs[0][4][-1] = 0
+    units = sum(aggregation_units(m, how) for *_, m in inputs)
+    losses, grads = [], []
+    for part in inputs:
+        part_logp = part[0].clone().requires_grad_(True)
+        loss, _ = grpo_loss(part_logp, *part[1:], **options, global_units=units, ranks=2)
+        loss.backward()
+        losses.append(loss)
+        grads.append(part_logp.grad[:len(part_logp) - (part is inputs[0])])  # ... whose gradient is 0
+    assert float(sum(losses).detach() / 2) == pytest.approx(float(whole.detach()), rel=1e-12)
+    torch.testing.assert_close(torch.cat(grads) / 2, whole_logp.grad, rtol=1e-12, atol=1e-15)
 
 
 def test_aggregation_errors():
@@ -132,7 +164,7 @@ def reference_loss(logp, old, ref, adv, mask, weights, eps_low, eps_high, beta, 
     if how == "sequence":
         means = [s / c for s, c in zip(sums, counts) if c]
         return sum(means) / len(means)
-    return sum(sums) / (len(mask) * constant)
+    return sum(sums) / (sum(1 for c in counts if c) * constant)
 
 
 def random_inputs(seed=0, n=6, c=5):

@@ -101,11 +101,12 @@ def test_a_gpu_machine_is_told_to_train_on_its_cpu(monkeypatch):
 
 
 @pytest.mark.parametrize("stage", [0, 1, 3])
-def test_a_non_finite_gradient_skips_the_update_at_every_stage(stage, char_tokenizer):
-    """At stages 1-3 DeepSpeed's ZeRO optimizer skips the step itself; the engine reports the skip (None),
-    leaves the weights as they were, and the next finite step applies."""
+def test_a_non_finite_loss_or_gradient_skips_the_update_at_every_stage(stage, char_tokenizer):
+    """`Engine.update` skips a non-finite loss before the backward, and a finite loss with a non-finite
+    gradient after it (at stages 1-3 DeepSpeed's ZeRO optimizer skips that step itself); either way it says
+    so, the weights stay as they were, and the next finite update applies."""
     from tests.conftest import make_tiny_dllm
-    from dllm_rl.engine import Engine, init_distributed
+    from dllm_rl.engine import Engine, Update, init_distributed
 
     model = make_tiny_dllm(char_tokenizer).model.train()
     world = init_distributed()
@@ -114,13 +115,15 @@ def test_a_non_finite_gradient_skips_the_update_at_every_stage(stage, char_token
     ids = torch.randint(5, 50, (1, 12))
     with engine.gathered():
         before = [p.detach().clone() for p in engine.module.parameters()]
-    engine.backward(engine.ds(input_ids=ids).logits.float().mean() * float("nan"))
-    assert engine.step() is None
+    update = engine.update(engine.ds(input_ids=ids).logits.float().mean() * float("nan"))
+    assert update == Update(False, skipped="non-finite loss")
+    total = engine.ds(input_ids=ids).logits.float().sum()
+    loss = (total - total.detach()).abs().sqrt()  # value 0, gradient inf * 0 = NaN
+    assert torch.isfinite(loss) and engine.update(loss) == Update(False, skipped="non-finite gradient")
     with engine.gathered():
         assert all(torch.equal(b, p) for b, p in zip(before, engine.module.parameters()))
     engine.zero_grad()
-    engine.backward(engine.ds(input_ids=ids).logits.float().logsumexp(-1).mean())
-    norm = engine.step()
-    assert norm is not None and norm > 0
+    update = engine.update(engine.ds(input_ids=ids).logits.float().logsumexp(-1).mean())
+    assert update.applied and update.grad_norm > 0
     with engine.gathered():
         assert any(not torch.equal(b, p) for b, p in zip(before, engine.module.parameters()))

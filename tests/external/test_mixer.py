@@ -127,7 +127,7 @@ def samples_of(run):
 def test_trainer_separate_vs_joint_processing(saved_model, tmp_path):
     """Step 1 starts from the same model and seeds, so the on-policy rollouts are the same in every run."""
     runs = {}
-    for name, external, mixing in [("none", {"name": "none"}, None),
+    for name, external, mixing in [("none", {"name": "none"}, {}),
                                    ("separate", {"name": "solver"}, {"per_prompt": 2}),
                                    ("joint", {"name": "solver"}, {"per_prompt": 2, "processing": "joint"})]:
         run = tmp_path / name

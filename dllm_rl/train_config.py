@@ -1,0 +1,119 @@
+"""`TrainConfig`: every option of `dllm-rl train` in one dataclass, checked by name, type and range at the edge.
+
+The defaults are those of `configs/train.yaml` (a test composes the YAML and compares), so a script that calls
+`train()` runs the trainer that `dllm-rl train` runs. Each field is documented in the YAML, where users read
+it. The six config groups (`rollout`, `likelihood`, `algo`, `external`, `deepspeed`, `mixing`) stay plain
+dicts: their keys depend on the option chosen (an estimator's options, an external source's), and each is
+checked where it is built (`build_estimator`, `build_mixer`, `deepspeed_config`, ...).
+
+A group given as a dict overrides the keys it names, as `rollout.gen_length=16` does on the command line; a
+dict with another `name` replaces the group, as `likelihood=elbo` does (the other option's YAML is not read
+here, so give the keys it needs; each builder has defaults for the rest).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from dllm_rl.errors import check_kwargs, check_types, require
+from dllm_rl.external.mixer import MixingConfig
+from dllm_rl.optim import LR_SCHEDULES
+
+# The default option of each config group: configs/<group>/<option>.yaml, as configs/train.yaml picks them.
+GROUP_DEFAULTS: dict[str, dict[str, Any]] = {
+    "rollout": {"name": "rl", "gen_length": 64, "block_length": 32, "steps": 32, "temperature": 1.0,
+                "remasking": "low_confidence", "cfg_scale": 0.0},
+    "likelihood": {"name": "mean_field", "prompt_mask_prob": 0.15},
+    "algo": {"name": "grpo", "advantage": "mean", "eps_low": 0.2, "eps_high": 0.2, "beta": 0.0, "kl": "k3",
+             "aggregation": "token", "constant": None},
+    "external": {"name": "solver", "trace_steps": 0},
+    "deepspeed": {"name": "zero0", "stage": 0, "bf16": False, "offload_optimizer": "none", "offload_params": "none",
+                  "timeout_s": 600},
+    "mixing": dataclasses.asdict(MixingConfig()),
+}
+
+
+def _group(name: str):
+    return field(default_factory=lambda: dict(GROUP_DEFAULTS[name]))
+
+
+@dataclass
+class TrainConfig:
+    model: str = "models/tiny-dllm"
+    run_dir: str | None = None
+    resume: str | None = None
+    steps: int = 30
+    prompts_per_step: int = 8
+    group_size: int = 6
+    inner_iterations: int = 1
+    minibatch_size: int = 48
+    lr: float = 1.0e-4
+    lr_schedule: str = "constant"
+    warmup: int = 5
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    bf16: bool | str = "auto"
+    seed: int = 0
+    train_pool: int = 5000
+    eval_every: int = 10
+    eval_prompts: int = 64
+    eval_samples: int = 0
+    checkpoint_every: int = 10
+    keep_checkpoints: int = 2
+    sample_every: int = 5
+    ref_sync_every: int = 0
+    max_bad_steps: int = 5
+    tensorboard: bool = True
+    rollout: dict[str, Any] = _group("rollout")
+    likelihood: dict[str, Any] = _group("likelihood")
+    algo: dict[str, Any] = _group("algo")
+    external: dict[str, Any] = _group("external")
+    deepspeed: dict[str, Any] = _group("deepspeed")
+    mixing: dict[str, Any] = _group("mixing")
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> TrainConfig:
+        """The config from flat keyword options (the keys of configs/train.yaml); unknown keys and values of
+        the wrong type are ConfigErrors that name them."""
+        check_kwargs(cls, options, "")
+        return cls(**options)
+
+    def __post_init__(self) -> None:
+        for name, default in GROUP_DEFAULTS.items():
+            given = getattr(self, name)
+            require(isinstance(given, dict), f"{name}={given!r}: expected a mapping of the group's keys, e.g. "
+                    f"{name}={{'name': {default.get('name', '...')!r}}} (external={{'name': 'none'}} turns ERILS off)")
+            setattr(self, name, merge_group(default, given))
+        check_types(type(self), {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, "")
+        for key, ok, expected in (
+            ("steps", self.steps >= 1, ">= 1"), ("prompts_per_step", self.prompts_per_step >= 1, ">= 1"),
+            ("group_size", self.group_size >= 2, ">= 2 (advantages compare rollouts of a prompt)"),
+            ("inner_iterations", self.inner_iterations >= 1, ">= 1"), ("minibatch_size", self.minibatch_size >= 1, ">= 1"),
+            ("lr", math.isfinite(self.lr) and self.lr > 0, "> 0 and finite"), ("warmup", self.warmup >= 0, ">= 0"),
+            ("weight_decay", math.isfinite(self.weight_decay) and self.weight_decay >= 0, ">= 0"),
+            ("grad_clip", self.grad_clip > 0, "> 0"), ("train_pool", self.train_pool >= 1, ">= 1"),
+            ("eval_every", self.eval_every >= 0, ">= 0 (0 = never)"), ("eval_prompts", self.eval_prompts >= 1, ">= 1"),
+            ("eval_samples", self.eval_samples >= 0, ">= 0"),
+            ("checkpoint_every", self.checkpoint_every >= 0, ">= 0 (0 = never)"),
+            ("keep_checkpoints", self.keep_checkpoints >= 0, ">= 0 (0 = all)"), ("sample_every", self.sample_every >= 0, ">= 0"),
+            ("ref_sync_every", self.ref_sync_every >= 0, ">= 0 (0 = never)"), ("max_bad_steps", self.max_bad_steps >= 1, ">= 1"),
+        ):
+            require(ok, f"{key} must be {expected}, got {getattr(self, key)!r}")
+        require(self.lr_schedule in LR_SCHEDULES,
+                f"lr_schedule must be {' or '.join(map(repr, LR_SCHEDULES))}, got {self.lr_schedule!r}")
+        require(self.bf16 in (True, False, "auto"), f"bf16 must be true, false or auto, got {self.bf16!r}")
+
+    @property
+    def sampler(self) -> dict[str, Any]:
+        """The rollout group as the sampler's keyword arguments."""
+        return {k: v for k, v in self.rollout.items() if k != "name"}
+
+
+def merge_group(default: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """`given` over the group's default keys, unless it names another option (then `given` alone)."""
+    if "name" in given and "name" in default and given["name"] != default["name"]:
+        return dict(given)
+    return {**default, **given}
