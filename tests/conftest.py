@@ -71,3 +71,22 @@ def weights_checksum(model_dir) -> tuple[float, float]:
 @pytest.fixture
 def checksum():
     return weights_checksum
+
+
+def fake_rows(source: str, n: int, prompts: int = 1, C: int = 4, P: int = 3, texts=None, estimator=None):
+    """`n` buffer rows of `source` with made-up tokens (ids 5..), every completion token counted, rows spread
+    evenly over `prompts` prompts, no rewards yet; scored with `estimator` (mean-field by default)."""
+    import torch
+
+    from dllm_rl.buffer import Rows
+    from dllm_rl.likelihood.estimators import build_estimator
+
+    ids_NL = 5 + torch.arange(n * (P + C)).remainder(20).view(n, P + C)
+    return Rows(source, ids_NL, torch.ones_like(ids_NL), P, torch.ones(n, C), None,
+                torch.arange(n) * prompts // n, [], list(texts or [""] * n), version=0,
+                estimator=estimator or build_estimator({"name": "mean_field"}))
+
+
+@pytest.fixture
+def make_rows():
+    return fake_rows

@@ -1,6 +1,6 @@
-"""The import rules of the design, checked by parsing every module: configs stay at the edge (only the
-CLI sees hydra/omegaconf), only `engine` (and `distributed`) touch deepspeed, and task/reward modules
-import no torch or transformers."""
+"""The rules of the design, checked by parsing every module: configs stay at the edge (only the CLI sees
+hydra/omegaconf), only `engine` (and `distributed`) touch deepspeed, task/reward modules import no torch or
+transformers, `algo` imports only torch and the package's errors, and no function grows past one screen."""
 
 import ast
 from pathlib import Path
@@ -38,3 +38,16 @@ def test_tasks_and_rewards_import_no_torch():
     assert "data/countdown.py" in light and "data/answers.py" in light
     offenders = {m: modules()[m] & {"torch", "transformers"} for m in light if modules()[m] & {"torch", "transformers"}}
     assert offenders == {}
+
+
+def test_algo_is_pure_tensor_math():
+    offenders = {m: roots - {"torch", "dllm_rl", "__future__", "typing", "math"}
+                 for m, roots in modules().items() if m.startswith("algo/")}
+    assert {m: r for m, r in offenders.items() if r} == {}
+
+
+def test_no_function_is_longer_than_80_lines():
+    long = [f"{path.relative_to(PACKAGE)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for path in PACKAGE.rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 80]
+    assert long == []

@@ -146,3 +146,28 @@ def test_bad_names_and_options(tiny_policy, char_tokenizer):
         estimate_logp("elbo", tiny_policy, ids_NL, mask_NL, P, seeds_N=[0], num_masks=0)
     with pytest.raises(ConfigError, match="needs the unmask step"):
         estimate_logp("ordered", tiny_policy, ids_NL, mask_NL, P, seeds_N=[0])
+
+
+def test_an_estimator_is_built_once_from_its_config_and_checked_by_name_and_type(tiny_policy, char_tokenizer):
+    from dllm_rl.likelihood.estimators import build_estimator
+
+    elbo = build_estimator({"name": "elbo", "num_masks": 2})
+    assert (elbo.level, elbo.needs_trajectory, elbo.config) == ("sequence", False, {"name": "elbo", "num_masks": 2})
+    assert build_estimator({"name": "ordered"}).needs_trajectory
+    ids_NL, mask_NL, P = tiny_sequence(char_tokenizer)
+    counted_NC = torch.tensor([[1.0, 1.0, 0.0]])
+    per_token = elbo.logp(tiny_policy, ids_NL, mask_NL, P, seeds_N=[4])
+    logp, level_mask = elbo.score(tiny_policy, ids_NL, mask_NL, P, [4], None, counted_NC)
+    assert logp.shape == (1, 1) and level_mask.tolist() == [[1.0]]  # one value per sequence: the counted sum
+    torch.testing.assert_close(logp, per_token[:, :2].sum(-1, keepdim=True))
+    mean_field = build_estimator({"name": "mean_field"})
+    logp, level_mask = mean_field.score(tiny_policy, ids_NL, mask_NL, P, [4], None, counted_NC)
+    assert logp.shape == (1, 3) and torch.equal(level_mask, counted_NC)
+    for config, message in [({"name": "elbow"}, "likelihood.name must be one of"),
+                            ({"name": "elbo", "num_maks": 2}, "unknown config key 'likelihood.num_maks' (did you "
+                                                              "mean 'num_masks'?)"),
+                            ({"name": "elbo", "seeds_N": [1]}, "unknown config key 'likelihood.seeds_N'"),
+                            ({"name": "elbo", "num_masks": "two"}, "likelihood.num_masks='two': expected int")]:
+        with pytest.raises(ConfigError) as error:
+            build_estimator(config)
+        assert message in str(error.value)

@@ -1,0 +1,152 @@
+"""Each stage of the RL step alone, on a tiny model or hand-made rows (dllm_rl/stages.py)."""
+
+import contextlib
+import dataclasses
+
+import pytest
+import torch
+
+from dllm_rl.data import build_task
+from dllm_rl.data_parallel import DataParallel, Shard
+from dllm_rl.engine import Engine, World, deepspeed_config, init_distributed
+from dllm_rl.external.mixer import ExternalMixer, MixingConfig
+from dllm_rl.external.sources import SolverSource
+from dllm_rl.likelihood.estimators import build_estimator
+from dllm_rl.rollout.generate import TextGenerator
+from dllm_rl.seeds import derive_seed
+from dllm_rl.stages import (InProcessRollouts, Learner, PromptSource, StepBatch, assign_advantages,
+                            score_old_and_reference, step_metrics, verify)
+
+ARITHMETIC = build_task("arithmetic")
+MEAN_FIELD = build_estimator({"name": "mean_field"})
+ONE = World()
+
+
+def batch_of(examples, offset=0, step=3):
+    return StepBatch(step, list(examples), [ARITHMETIC.prompt(ex) for ex in examples], offset)
+
+
+def test_prompt_sources_give_each_rank_its_whole_groups_of_the_single_process_prompts(char_tokenizer):
+    single = PromptSource(ARITHMETIC, char_tokenizer, DataParallel(ONE, 4, 2, 8), per_step=4, pool=6, seed=1)
+    ranks = [PromptSource(ARITHMETIC, char_tokenizer, DataParallel(World(r, 2), 4, 2, 8), per_step=4, pool=6, seed=1)
+             for r in range(2)]
+    for step in range(3):  # 12 prompts from a pool of 6: two epochs, each a permutation of the pool
+        whole = single(step)
+        parts = [source(step) for source in ranks]
+        assert [p.prompt_offset for p in parts] == [0, 2] and whole.prompt_offset == 0
+        assert parts[0].examples + parts[1].examples == whole.examples
+        assert parts[1].prompt_texts == [ARITHMETIC.prompt(ex) for ex in whole.examples[2:]]
+    assert single.position == ranks[1].position == 12
+    single.position = 0
+    first_epoch = single.next(6)
+    assert sorted(ex.uid for ex in first_epoch) == sorted(ex.uid for ex in single.examples)
+
+
+def test_rollouts_draw_each_row_from_its_global_seed_whatever_the_batch(tiny_policy, char_tokenizer):
+    generator = TextGenerator(tiny_policy, char_tokenizer, gen_length=8, block_length=8, steps=4, temperature=1.0)
+    rollouts = InProcessRollouts(generator, MEAN_FIELD, group_size=2, seed=5, inference=contextlib.nullcontext)
+    examples = ARITHMETIC.examples("train", 2, 0)
+    whole = rollouts(batch_of(examples))
+    second = rollouts(batch_of(examples[1:], offset=1))  # what a second rank holding prompt 1 generates
+    assert torch.equal(second.ids_NL[:, -8:], whole.ids_NL[2:, -8:])
+    assert whole.prompt_N.tolist() == [0, 0, 1, 1] and whole.version == 3 and whole.rewards == []
+    assert whole.source == "on_policy" and whole.estimator is MEAN_FIELD and whole.order_NC.shape == (4, 8)
+    eos = whole.ids_NL[:, -8:] == tiny_policy.eos_id
+    for n in range(4):  # the mask counts up to and including the first EOS; the text stops before it
+        end = int(eos[n].int().argmax()) if eos[n].any() else 7
+        assert whole.mask_NC[n].tolist() == [1.0] * (end + 1) + [0.0] * (7 - end)
+    other_step = rollouts(batch_of(examples, step=4))
+    assert not torch.equal(other_step.ids_NL, whole.ids_NL)
+
+
+def test_verify_scores_every_source_with_the_task_reward(make_rows):
+    examples = ARITHMETIC.examples("train", 2, 0)
+    batch = batch_of(examples)
+    right, wrong = (f"<answer>{examples[1].answer}</answer>", "<answer>-1</answer>")
+    batch.rows["on_policy"] = make_rows("on_policy", 4, prompts=2, texts=["", wrong, right, wrong])
+    batch.rows["external"] = make_rows("external", 1, texts=[f"<answer>{examples[0].answer}</answer>"])
+    verify(batch, ARITHMETIC)
+    assert [r.correct for r in batch.rows["on_policy"].rewards] == [False, False, True, False]
+    assert batch.rows["on_policy"].rewards[0].reason != "ok" and batch.rows["external"].rewards[0].correct
+
+
+def scored(rows, rewards):
+    from dllm_rl.data.task import Reward
+
+    rows.rewards = [Reward(float(r), r == 1, True, "ok") for r in rewards]
+    return rows
+
+
+def test_advantages_from_hand_made_rewards(make_rows):
+    batch = batch_of(ARITHMETIC.examples("train", 2, 0))
+    batch.rows["on_policy"] = scored(make_rows("on_policy", 8, prompts=2), [1, 0, 0, 1, 0, 0, 0, 0])
+    assign_advantages(batch, "mean", None, DataParallel(ONE, 2, 4, 8))
+    assert batch.rows["on_policy"].adv_N.tolist() == [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]
+    # ERILS, separate processing with a constant statistic: external rows get constant * reward and the loss
+    # weight; the on-policy advantages are the same as without them
+    mixer = ExternalMixer(SolverSource(), MixingConfig(constant=2.0, weight=0.5), MEAN_FIELD)
+    batch.rows["external"] = scored(make_rows("external", 2, prompts=2), [1, 1])
+    assign_advantages(batch, "mean", mixer, DataParallel(ONE, 2, 4, 8))
+    assert batch.rows["on_policy"].adv_N.tolist() == [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]
+    assert batch.rows["external"].adv_N.tolist() == [2.0, 2.0] and batch.rows["external"].weight_N.tolist() == [0.5] * 2
+
+
+def test_old_and_reference_log_probs_are_scored_under_the_stored_mask_seeds(make_rows, tiny_policy):
+    batch = batch_of(ARITHMETIC.examples("train", 1, 0))
+    on, ext = make_rows("on_policy", 2), make_rows("external", 3, estimator=build_estimator({"name": "elbo"}))
+    on.shard, ext.shard = Shard(4, 2, 8), Shard(1, 3, 5)  # rows 4-5 and 1-3 of all ranks' rows
+    batch.rows.update(on_policy=on, external=ext)
+    score_old_and_reference(batch, tiny_policy, tiny_policy, iterations=2, reuse_current=False, seed=9,
+                            autocast=contextlib.nullcontext())
+    assert on.mask_seeds == [[derive_seed(9, "mask", 3, it, 4 + n) for n in range(2)] for it in range(2)]
+    assert ext.mask_seeds[1] == [derive_seed(9, "mask", 3, 1, "external", 1 + n) for n in range(3)]
+    for rows in (on, ext):
+        for it in range(2):  # the reference here is the policy itself: the same masks give the same values
+            assert torch.equal(rows.old_logp[it], rows.ref_logp[it])
+            assert torch.equal(rows.old_logp[it], rows.score_all(tiny_policy, it))
+    assert ext.old_logp[0].shape == (3, 1)  # the ELBO is scored per sequence
+    assert not torch.equal(ext.old_logp[0], ext.old_logp[1])  # a fresh mask per inner iteration
+    score_old_and_reference(batch, tiny_policy, None, iterations=1, reuse_current=True, seed=9,
+                            autocast=contextlib.nullcontext())
+    assert on.old_logp == [None] and on.ref_logp == [None]  # the update reuses the current log-probs
+
+
+@pytest.fixture
+def learner(tiny_policy):
+    world = init_distributed()
+    net = tiny_policy.model.train()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    engine = Engine(net, optimizer, world, deepspeed_config(stage=0, micro_batch_size=4))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 ** s)
+    dp = DataParallel(world, 2, 2, 4)
+    return Learner(engine, dataclasses.replace(tiny_policy, model=engine.ds), None, scheduler,
+                   {"eps_low": 0.2, "eps_high": 0.2}, iterations=2, reuse_current=False, minibatch_mix="stratified",
+                   seed=0, dp=dp, autocast=contextlib.nullcontext())
+
+
+# two prompts of two rollouts each: a group with equal rewards has no signal
+@pytest.mark.parametrize("rewards, updates", [([1, 0, 0, 0], 2.0), ([0, 1, 1, 0], 2.0), ([1, 1, 0, 0], 0.0),
+                                              ([1, 1, 1, 1], 0.0)])
+def test_the_learner_updates_once_per_minibatch_when_there_is_a_signal(learner, make_rows, rewards, updates):
+    batch = batch_of(ARITHMETIC.examples("train", 2, 0))
+    batch.rows["on_policy"] = scored(make_rows("on_policy", 4, prompts=2), rewards)
+    assign_advantages(batch, "mean", None, learner.dp)
+    learner.dp.shard_sources(batch.rows, {"on_policy": MEAN_FIELD})
+    score_old_and_reference(batch, learner.policy, None, 2, False, 0, contextlib.nullcontext())
+    before = [p.detach().clone() for p in learner.engine.module.parameters()]
+    metrics = learner.update(batch)
+    moved = any(not torch.equal(b, p) for b, p in zip(before, learner.engine.module.parameters()))
+    assert metrics["policy/updates"] == updates and moved == (updates > 0)
+    assert metrics["policy/lr"] == pytest.approx(1e-2 * 0.5)  # the schedule advances with or without an update
+    assert ("loss/policy" in metrics) == (updates > 0) and learner.bad_steps == 0
+
+
+def test_step_metrics_from_a_batch(make_rows):
+    batch = batch_of(ARITHMETIC.examples("train", 2, 0))
+    batch.rows["on_policy"] = on = scored(make_rows("on_policy", 4, prompts=2), [1, 0, 1, 1])
+    on.adv_N, on.mask_NC[0, 2:] = torch.tensor([0.5, -0.5, 0.0, 0.0]), 0
+    batch.metrics["external/rows"] = 0.0
+    metrics = step_metrics(batch, {"policy/updates": 1.0}, {"perf/rollout_s": 2.0}, DataParallel(ONE, 2, 2, 4))
+    assert metrics["reward/on_policy"] == 0.75 and metrics["reward/accuracy"] == 0.75
+    assert metrics["reward/zero_std_groups"] == 0.5 and metrics["len/on_policy"] == 3.5
+    assert metrics["perf/tokens_per_s"] == 7.0 and metrics["external/rows"] == 0.0 and "reward/external" not in metrics

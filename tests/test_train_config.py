@@ -1,0 +1,61 @@
+"""TrainConfig: its defaults are configs/train.yaml's, and bad values are named ConfigErrors before anything loads."""
+
+import dataclasses
+
+import pytest
+
+from dllm_rl import cli
+from dllm_rl.errors import ConfigError
+from dllm_rl.external.mixer import MixingConfig
+from dllm_rl.train_config import GROUP_DEFAULTS, TrainConfig
+
+
+def composed_train_yaml() -> dict:
+    cfg = cli.to_plain(cli.compose_config("train", []))
+    cfg.pop("task")  # the task is built apart (train's first argument)
+    return cfg
+
+
+def test_the_defaults_are_the_yaml_defaults():
+    assert dataclasses.asdict(TrainConfig()) == composed_train_yaml()
+
+
+def test_each_group_default_is_the_option_train_yaml_picks():
+    yaml = composed_train_yaml()
+    assert {name: yaml[name] for name in GROUP_DEFAULTS} == GROUP_DEFAULTS
+    assert MixingConfig(**yaml["mixing"]) == MixingConfig()
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"steps": "abc"}, "steps='abc': expected int"),
+    ({"lr": "fast"}, "lr='fast': expected float"),
+    ({"tensorboard": "yes"}, "tensorboard='yes': expected bool"),
+    ({"stepz": 3}, "unknown config key 'stepz' (did you mean 'steps'?)"),
+    ({"steps": 0}, "steps must be >= 1, got 0"),
+    ({"warmup": -1}, "warmup must be >= 0, got -1"),
+    ({"lr": float("inf")}, "lr must be > 0 and finite, got inf"),
+    ({"keep_checkpoints": -2}, "keep_checkpoints must be >= 0 (0 = all), got -2"),
+    ({"eval_every": -1}, "eval_every must be >= 0 (0 = never), got -1"),
+    ({"group_size": 1}, "group_size must be >= 2"),
+    ({"bf16": "maybe"}, "bf16 must be true, false or auto, got 'maybe'"),
+    ({"lr_schedule": "linear"}, "lr_schedule must be 'constant' or 'cosine', got 'linear'"),
+    ({"external": None}, "external=None: expected a mapping of the group's keys"),
+])
+def test_bad_values_are_config_errors_that_name_the_key(options, message):
+    with pytest.raises(ConfigError) as error:
+        TrainConfig.from_options(options)
+    assert message in str(error.value)
+
+
+def test_the_cli_reports_a_bad_top_level_value_by_name(capsys):
+    assert cli.main(["train", "steps=abc"]) == 2
+    assert "steps='abc': expected int" in capsys.readouterr().err
+
+
+def test_a_group_dict_overrides_the_keys_it_names_and_another_option_replaces_the_group():
+    cfg = TrainConfig.from_options({"rollout": {"gen_length": 16}, "likelihood": {"name": "elbo", "num_masks": 2},
+                                    "mixing": {"per_prompt": 1}})
+    assert cfg.rollout == {**GROUP_DEFAULTS["rollout"], "gen_length": 16}  # like rollout.gen_length=16
+    assert cfg.sampler["temperature"] == 1.0 and "name" not in cfg.sampler
+    assert cfg.likelihood == {"name": "elbo", "num_masks": 2}  # like likelihood=elbo likelihood.num_masks=2
+    assert cfg.mixing["per_prompt"] == 1 and cfg.mixing["likelihood"] == GROUP_DEFAULTS["mixing"]["likelihood"]
