@@ -28,6 +28,7 @@ How it departs from d1:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from tqdm import tqdm
 
 from dllm_rl.algo.advantages import ADVANTAGE_FNS
 from dllm_rl.algo.losses import grpo_loss
+from dllm_rl.buffer import Rows
 from dllm_rl.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from dllm_rl.data.task import Task
 from dllm_rl.data_parallel import DataParallel
@@ -51,8 +53,8 @@ from dllm_rl.optim import lr_factor
 from dllm_rl.policy.adapters import hidden_size_of, load_policy
 from dllm_rl.precision import resolve_bf16
 from dllm_rl.rollout.generate import TextGenerator
-from dllm_rl.stages import (ExternalRollouts, HeldOut, InProcessRollouts, Learner, PromptSource, assign_advantages,
-                            inference, sample_rows, score_old_and_reference, step_metrics, verify)
+from dllm_rl.stages import (ExternalRollouts, HeldOut, InProcessRollouts, Learner, PromptSource, StepBatch,
+                            assign_advantages, inference, sample_rows, score_old_and_reference, step_metrics, verify)
 from dllm_rl.tracking import NullTracker, PhaseTimer, Tracker, console_line
 from dllm_rl.train_config import TrainConfig
 
@@ -137,15 +139,15 @@ class Run:
     tracker: Tracker
     learned: Learned
     state: dict[str, Any]  # step, data_position, bad_steps, external_baseline: saved with checkpoints
-    prompts: PromptSource
-    rollouts: Callable  # StepBatch -> on-policy Rows
-    external: ExternalRollouts | None
-    mixer: Any
-    advantage: str
+    prompts: PromptSource  # step -> StepBatch
+    rollouts: Callable[[StepBatch], Rows]  # on-policy rows
+    external: ExternalRollouts | None  # adds the external rows (ERILS)
+    advantages: Callable[[StepBatch], None]
     estimators: dict[str, Any]  # the sources this run can have -> the estimator that scores them
+    score: Callable[[StepBatch], None]  # mask seeds, old and reference log-probs
     learner: Learner
     held_out: HeldOut
-    autocast: Any
+    mixer: Any  # the ExternalMixer (its running baseline is saved with checkpoints), or None
     print_fn: Callable[[str], None]
 
 
@@ -203,11 +205,15 @@ def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned,
         cfg, task, dp, run_dir, tracker, learned, state,
         prompts=PromptSource(task, tokenizer, dp, cfg.prompts_per_step, cfg.train_pool, cfg.seed, state["data_position"]),
         rollouts=InProcessRollouts(sampler, estimator, cfg.group_size, cfg.seed, generating),
-        external=external, mixer=mixer, advantage=advantage,
+        external=external,
+        advantages=functools.partial(assign_advantages, advantage=advantage, mixer=mixer, dp=dp),
         estimators={"on_policy": estimator, **({"external": mixer.estimator} if mixer is not None else {})},
+        score=functools.partial(score_old_and_reference, policy=policy, reference=learned.reference,
+                                iterations=cfg.inner_iterations, reuse_current=reuse_current, seed=cfg.seed,
+                                autocast=autocast, mixer=mixer, dp=dp),
         learner=learner,
         held_out=HeldOut(greedy, sampler, task, tokenizer, cfg.eval_prompts, cfg.eval_samples, cfg.seed, generating),
-        autocast=autocast, print_fn=print_fn)
+        mixer=mixer, print_fn=print_fn)
 
 
 def train(task: Task, *, saved_config: dict[str, Any] | None = None, print_fn=tqdm.write, **options) -> dict[str, float]:
@@ -232,8 +238,7 @@ def run_steps(run: Run) -> dict[str, float]:
         run.tracker.log(0, before)
         run.print_fn(console_line(0, cfg.steps, before))
     metrics: dict[str, float] = {}
-    bar = tqdm(range(state["step"], cfg.steps), initial=state["step"], total=cfg.steps, desc="train", unit="step",
-               disable=None if dp.world.is_main else True)
+    bar = progress_bar(run)
     for step in bar:
         timer = PhaseTimer()
         with timer("rollout"):
@@ -243,14 +248,13 @@ def run_steps(run: Run) -> dict[str, float]:
         with timer("external"):
             if run.external is not None:
                 run.external(batch)
-            assign_advantages(batch, run.advantage, run.mixer, dp)
+            run.advantages(batch)
         with timer("score"):
             dp.shard_sources(batch.rows, run.estimators)
-            score_old_and_reference(batch, learner.policy, learner.reference, cfg.inner_iterations,
-                                    learner.reuse_current, cfg.seed, run.autocast, run.mixer, dp)
+            run.score(batch)
         with timer("update"):
-            learned = learner.update(batch)
-        metrics = step_metrics(batch, learned, timer.metrics(), dp)
+            update_metrics = learner.update(batch)
+        metrics = step_metrics(batch, update_metrics, timer.metrics(), dp)
 
         done = step + 1
         state.update(step=done, data_position=run.prompts.position, bad_steps=learner.bad_steps,
@@ -267,6 +271,12 @@ def run_steps(run: Run) -> dict[str, float]:
                             keep_last=cfg.keep_checkpoints, tokenizer=run.learned.tokenizer, reference=synced)
     bar.close()
     return metrics
+
+
+def progress_bar(run: Run) -> tqdm:
+    """The steps left, as a progress bar on rank 0 (the other ranks iterate silently)."""
+    return tqdm(range(run.state["step"], run.cfg.steps), initial=run.state["step"], total=run.cfg.steps,
+                desc="train", unit="step", disable=None if run.dp.world.is_main else True)
 
 
 def run_summary(run_dir: Path, window: int = 10) -> str:

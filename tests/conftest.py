@@ -90,3 +90,32 @@ def fake_rows(source: str, n: int, prompts: int = 1, C: int = 4, P: int = 3, tex
 @pytest.fixture
 def make_rows():
     return fake_rows
+
+
+class DigitShare:
+    """Arithmetic prompts with a dense reward an untrained model earns (the share of digits in its completion,
+    correct above 0.2), and the arithmetic solver as its exact solver (an external policy)."""
+
+    name = "digit_share"
+    prompt_style = "compact"
+
+    def examples(self, split, n, seed):
+        from dllm_rl.data import build_task
+
+        return build_task("arithmetic").examples(split, n, seed)
+
+    def prompt(self, ex) -> str:
+        from dllm_rl.data import build_task
+
+        return build_task("arithmetic").prompt(ex)
+
+    def reward(self, completion: str, ex):
+        from dllm_rl.data.task import Reward
+
+        share = sum(c.isdigit() for c in completion) / max(1, len(completion))
+        return Reward(share, share > 0.2, False, "ok")
+
+    def solve(self, ex):
+        from dllm_rl.data import build_task
+
+        return build_task("arithmetic").solve(ex)

@@ -14,37 +14,17 @@ import json
 from pathlib import Path
 
 import pytest
-from dllm_rl.data import build_task
-from dllm_rl.data.task import Example, Reward
 from dllm_rl.train import train
+from tests.conftest import DigitShare
 
 pytestmark = pytest.mark.slow
-
-
-class DigitShare:
-    """Arithmetic prompts with a dense reward an untrained model earns (the share of digits in its completion),
-    and the arithmetic solver as an external policy."""
-
-    name = "digit_share"
-    prompt_style = "compact"
-
-    def examples(self, split, n, seed):
-        return build_task("arithmetic").examples(split, n, seed)
-
-    def prompt(self, ex: Example) -> str:
-        return build_task("arithmetic").prompt(ex)
-
-    def reward(self, completion: str, ex: Example) -> Reward:
-        share = sum(c.isdigit() for c in completion) / max(1, len(completion))
-        return Reward(share, share > 0.2, False, "ok")
-
-    def solve(self, ex):
-        return build_task("arithmetic").solve(ex)
 
 
 COMMON = dict(prompts_per_step=2, group_size=4, steps=2, checkpoint_every=2, eval_every=0, sample_every=0,
               tensorboard=False, bf16=False, seed=0, lr=1e-3, lr_schedule="constant", warmup=0, weight_decay=0.0,
               grad_clip=1.0, print_fn=lambda *_: None)
+# The task: arithmetic prompts with a dense reward (the share of digits in the completion) and the arithmetic
+# solver as the external policy (tests/conftest.py).
 RUNS = {
     # diffu-GRPO on the dLLM's own rollouts: one minibatch (the old log-probs are the current ones), a k3 KL.
     "on_policy": dict(

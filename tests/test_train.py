@@ -3,7 +3,6 @@ import os
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -13,10 +12,10 @@ from safetensors.torch import load_file
 from dllm_rl import cli, stages
 from dllm_rl.checkpoint import latest_checkpoint
 from dllm_rl.data import build_task
-from dllm_rl.data.task import Example, Reward
 from dllm_rl.errors import ConfigError
 from dllm_rl.rollout.sampler import completion_mask
 from dllm_rl.train import train
+from tests.conftest import DigitShare
 
 SMALL = dict(
     rollout={"gen_length": 16, "block_length": 8, "steps": 8, "temperature": 1.0},
@@ -25,27 +24,6 @@ SMALL = dict(
     prompts_per_step=2, group_size=4, minibatch_size=8, eval_every=0, sample_every=1, tensorboard=False,
     lr=1e-3, warmup=0, external={"name": "none"}, print_fn=lambda *_: None,
 )
-
-
-@dataclass(frozen=True)
-class CountDigits:
-    """Arithmetic prompts with a dense reward an untrained model can earn: the share of digits in its output."""
-
-    name = "count_digits"
-    prompt_style = "compact"
-
-    def examples(self, split, n, seed):
-        return build_task("arithmetic").examples(split, n, seed)
-
-    def prompt(self, ex: Example) -> str:
-        return build_task("arithmetic").prompt(ex)
-
-    def reward(self, completion: str, ex: Example) -> Reward:
-        share = sum(c.isdigit() for c in completion) / max(1, len(completion))
-        return Reward(share, share > 0.2, False, "ok")
-
-    def solve(self, ex):
-        return None
 
 
 def weights(path) -> dict[str, torch.Tensor]:
@@ -61,7 +39,7 @@ def test_completion_mask_counts_up_to_the_first_eos():
                                                ({"name": "ordered", "group": 4}, 1)])
 def test_end_to_end_parameters_change_and_metrics_are_finite(saved_model, tmp_path, likelihood, inner):
     run = tmp_path / "run"
-    metrics = train(CountDigits(), model=saved_model, run_dir=str(run), steps=2, inner_iterations=inner,
+    metrics = train(DigitShare(), model=saved_model, run_dir=str(run), steps=2, inner_iterations=inner,
                     **{**SMALL, "likelihood": likelihood, "algo": {**SMALL["algo"], "beta": 0.04}})
     before, after = weights(saved_model), weights(latest_checkpoint(run))
     assert any(not torch.equal(before[k], after[k]) for k in before)
@@ -79,9 +57,9 @@ def test_end_to_end_parameters_change_and_metrics_are_finite(saved_model, tmp_pa
 
 def test_four_steps_equal_two_plus_resume_plus_two(saved_model, tmp_path):
     straight, split = tmp_path / "straight", tmp_path / "split"
-    train(CountDigits(), model=saved_model, run_dir=str(straight), steps=4, checkpoint_every=2, **SMALL)
-    train(CountDigits(), model=saved_model, run_dir=str(split), steps=2, checkpoint_every=2, **SMALL)
-    train(CountDigits(), model=saved_model, resume=str(split), steps=4, checkpoint_every=2, **SMALL)
+    train(DigitShare(), model=saved_model, run_dir=str(straight), steps=4, checkpoint_every=2, **SMALL)
+    train(DigitShare(), model=saved_model, run_dir=str(split), steps=2, checkpoint_every=2, **SMALL)
+    train(DigitShare(), model=saved_model, resume=str(split), steps=4, checkpoint_every=2, **SMALL)
     a, b = weights(latest_checkpoint(straight)), weights(latest_checkpoint(split))
     assert all(torch.equal(a[k], b[k]) for k in a)  # bitwise
     rewards = [[json.loads(l)["reward/on_policy"] for l in (run / "metrics.jsonl").read_text().splitlines()]
@@ -170,7 +148,7 @@ def test_non_finite_losses_skip_updates_then_stop(saved_model, tmp_path, monkeyp
     monkeypatch.setattr(stages, "grpo_loss", nan_loss)
     with pytest.warns(UserWarning, match="non-finite loss or gradient; update skipped"):
         with pytest.raises(RuntimeError, match="stopping: 2 non-finite updates in a row"):
-            train(CountDigits(), model=saved_model, run_dir=str(tmp_path / "run"), steps=4, max_bad_steps=2, **SMALL)
+            train(DigitShare(), model=saved_model, run_dir=str(tmp_path / "run"), steps=4, max_bad_steps=2, **SMALL)
 
 
 @pytest.mark.parametrize(
