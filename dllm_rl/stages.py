@@ -43,6 +43,7 @@ from dllm_rl.data_parallel import DataParallel
 from dllm_rl.engine import Engine
 from dllm_rl.errors import require
 from dllm_rl.evaluate import evaluate_task
+from dllm_rl.external.mixer import local_only
 from dllm_rl.likelihood.estimators import Estimator
 from dllm_rl.rollout.sampler import completion_mask, completion_texts
 from dllm_rl.seeds import derive_seed
@@ -207,8 +208,7 @@ def score_old_and_reference(batch: StepBatch, policy, reference, iterations: int
             rows.old_logp = [None if reuse_current else rows.score_all(policy, it) for it in range(iterations)]
             rows.ref_logp = [None if reference is None else rows.score_all(reference, it) for it in range(iterations)]
     if mixer is not None and mixer.config.correction == "is":
-        gather = dp.gather if dp is not None else (lambda t: (t, 0))
-        batch.metrics.update(mixer.importance_weights(batch.real("external"), gather))
+        batch.metrics.update(mixer.importance_weights(batch.real("external"), dp.gather if dp else local_only))
 
 
 # ------------------------------------------------------------------------------------------ update
