@@ -7,27 +7,41 @@ A checkpoint is a directory `checkpoints/step_NNNNNN/` holding
   `dllm-rl export` consolidates them,
 - `reference/` when the KL reference is synced during training (`ref_sync_every`),
 - `trainer_state.pt`: the LR schedule, the RNG state, the loop's own state (step, data position, counters),
-  and the ZeRO stage and world size it was written with,
+  and the ZeRO stage and world size it was written with (tensors and plain values only: it loads with
+  `weights_only=True`),
+- `MANIFEST.json`: the size and SHA-256 of every other file,
 - a `COMPLETE` marker written last.
 It is assembled under a temporary name and renamed into place by rank 0 (an atomic rename on POSIX), then
 `checkpoints/latest` is rewritten the same way. A run killed at any moment therefore leaves either the new
 checkpoint whole or the previous one as the latest. All ranks must see the run directory (a shared
 filesystem across nodes).
+
+Resuming (`resumable_checkpoint`) takes the newest complete checkpoint whose files match their manifest and
+whose pickles hold nothing but tensors, plain values and the few DeepSpeed records on an allow-list
+(`vet_pickles`): a damaged newest checkpoint (a truncated file, a flipped bit) falls back to the previous
+complete one with a warning, and a file that would run code when unpickled is refused by name. DeepSpeed
+itself unpickles its states with `weights_only=False`, so every file is vetted before DeepSpeed reads it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import pickle
 import shutil
+import warnings
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dllm_rl.engine import CHECKPOINT_TAG, Engine, barrier
+from dllm_rl.engine import CHECKPOINT_TAG, Engine, barrier, deepspeed_state_classes
 from dllm_rl.errors import ConfigError
 
 MARKER = "COMPLETE"
+MANIFEST = "MANIFEST.json"
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -62,6 +76,7 @@ def save_checkpoint(run_dir: str | Path, step: int, engine: Engine, scheduler, s
             "stage": engine.stage,
             "world_size": world.size,
         }, tmp / "trainer_state.pt")
+        write_manifest(tmp)
         (tmp / MARKER).write_text(f"{step}\n")
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -89,13 +104,82 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return complete[-1] if complete else None
 
 
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_manifest(directory: Path) -> None:
+    """MANIFEST.json: {relative path: [bytes, sha256]} of every file of the checkpoint but the marker."""
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name not in (MARKER, MANIFEST))
+    manifest = {p.relative_to(directory).as_posix(): [p.stat().st_size, _sha256(p)] for p in files}
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+def damage(directory: Path) -> str | None:
+    """What is wrong with a checkpoint's files against its manifest, or None when they all match (a checkpoint
+    written before manifests existed has none, and is taken as it is)."""
+    file = directory / MANIFEST
+    if not file.is_file():
+        return None
+    try:
+        manifest = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return f"{MANIFEST} is not valid JSON"
+    for name, (size, digest) in manifest.items():
+        path = directory / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes where {size} were written"
+        if _sha256(path) != digest:
+            return f"{name} does not match the checksum it was written with"
+    return None
+
+
+def vet_pickles(directory: Path) -> None:
+    """Unpickle every `.pt` file of a checkpoint the safe way (`weights_only=True`, the allow-list above) before
+    anything unpickles it the unsafe way; a file that needs any other Python object is a named error."""
+    with torch.serialization.safe_globals(deepspeed_state_classes()):
+        for path in sorted(directory.rglob("*.pt")):
+            try:
+                # mmap: the tensors stay on disk (torch's zip format only; a legacy pickle is read whole)
+                torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+            except pickle.UnpicklingError as error:
+                raise ConfigError(
+                    f"{path}: refusing to load it: it holds Python objects a dllm-rl checkpoint does not "
+                    f"({str(error).splitlines()[0][:200]}); unpickling it could run code. Resume only from "
+                    f"checkpoints you wrote, or export the weights of one you trust with another tool") from None
+
+
+def resumable_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint that is intact: its files match the manifest and its pickles pass
+    `vet_pickles`. A damaged one is skipped with a warning that names what is wrong; None if there is none."""
+    candidates = complete_checkpoints(run_dir)[::-1]
+    named = latest_checkpoint(run_dir)
+    if named is not None:
+        candidates = [named] + [c for c in candidates if c != named]
+    for checkpoint in candidates:
+        why = damage(checkpoint)
+        if why is None:
+            try:
+                vet_pickles(checkpoint)
+                return checkpoint
+            except ConfigError:
+                raise
+            except Exception as error:  # a truncated or corrupt file that torch cannot read at all
+                why = f"a file cannot be read ({type(error).__name__}: {str(error).splitlines()[0][:200]})"
+        warnings.warn(f"{checkpoint} is damaged ({why}); trying the complete checkpoint before it")
+    return None
+
+
 def load_trainer_state(path: Path, engine: Engine, scheduler) -> dict[str, Any]:
     """Restore the engine (weights, optimizer), the schedule and the RNG from a checkpoint; returns the loop's
     state dict. The ZeRO stage and the number of ranks must be those the checkpoint was written with."""
     if not (path / CHECKPOINT_TAG).is_dir():
         raise ConfigError(f"{path} has no {CHECKPOINT_TAG}/ states (written by an older dllm-rl?); start a new run "
                           f"from its model directory with model={path}")
-    saved = torch.load(path / "trainer_state.pt", weights_only=False)
+    saved = torch.load(path / "trainer_state.pt", weights_only=True)
     if (saved["stage"], saved["world_size"]) != (engine.stage, engine.world.size):
         raise ConfigError(
             f"{path} was written at ZeRO stage {saved['stage']} with {saved['world_size']} rank(s); this run has "

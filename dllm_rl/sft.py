@@ -197,11 +197,11 @@ def train_sft(
 def run_sft(task: Task, *, model: str, kind: str = "auto", output_dir: str = "runs/sft", examples: int = 5000,
             with_steps: bool = True, gen_length: int = 64, weighting: str = "elbo", steps: int = 200,
             batch_size: int = 32, lr: float = 1e-4, warmup: int = 20, seed: int = 0, bf16: bool | str = "auto",
-            print_fn=print) -> list[dict[str, Any]]:
+            trust_remote_code: bool = False, print_fn=print) -> list[dict[str, Any]]:
     """`dllm-rl sft`: fine-tune a local dLLM (masked-diffusion SFT) or causal LM (causal SFT), save it."""
     from dllm_rl.rollout.generate import load_generator
 
-    loaded = load_generator(model, kind=kind)
+    loaded = load_generator(model, kind=kind, trust_remote_code=trust_remote_code)
     tokenizer, net = loaded.tokenizer, loaded.model
     data = solver_examples(task, examples, seed, with_steps=with_steps)
     if loaded.is_diffusion:

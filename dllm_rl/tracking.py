@@ -2,6 +2,10 @@
 
 Metric keys are namespaced (`reward/on_policy`, `reward/external`, `loss/policy`, `perf/rollout_s`, ...). Only rank 0 writes;
 other ranks get a tracker that does nothing, so the loop never asks which rank it is on.
+
+A resumed run continues from its checkpoint's step k, so the logs are first cut back to step k (`resume_step`):
+lines of later steps, which the resumed run writes again, and a partial last line left by a kill in the middle
+of a write are dropped, and TensorBoard purges its events after k. Every step then appears once.
 """
 
 from __future__ import annotations
@@ -50,14 +54,18 @@ class PhaseTimer:
 
 
 class Tracker:
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, resume_step: int | None = None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None:
+            for name in ("metrics.jsonl", "samples.jsonl"):
+                cut_back(self.run_dir / name, resume_step)
         self._writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+            purge = None if resume_step is None else resume_step + 1
+            self._writer = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         with open(self.run_dir / "metrics.jsonl", "a") as f:
@@ -76,6 +84,24 @@ class Tracker:
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
+
+
+def cut_back(path: Path, step: int) -> None:
+    """Keep the lines of a JSONL log up to `step`; drop later steps and lines that do not parse (a partial last
+    line). Rewritten under a temporary name and renamed, so a kill now loses nothing either."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and row.get("step", 0) <= step:
+            kept.append(line + "\n")
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(kept))
+    tmp.replace(path)
 
 
 class NullTracker(Tracker):

@@ -41,7 +41,7 @@ from tqdm import tqdm
 from dllm_rl.algo.advantages import ADVANTAGE_FNS
 from dllm_rl.algo.losses import grpo_loss
 from dllm_rl.buffer import Rows
-from dllm_rl.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
+from dllm_rl.checkpoint import load_trainer_state, resumable_checkpoint, save_checkpoint
 from dllm_rl.data.task import Task
 from dllm_rl.data_parallel import DataParallel
 from dllm_rl.engine import (ENGINE_OPTIONS, Engine, World, broadcast_object, deepspeed_config, init_distributed,
@@ -112,12 +112,12 @@ def load_learner(cfg: TrainConfig, world: World, ds_options: dict[str, Any], che
                                  micro_batch_size=-(-cfg.minibatch_size // world.size),
                                  hidden_size=hidden_size_of(cfg.model))
     with partitioned_loading(ds_config):
-        policy, tokenizer = load_policy(cfg.model)
+        policy, tokenizer = load_policy(cfg.model, trust_remote_code=cfg.trust_remote_code)
         reference_net = None
         if with_reference:
             synced = checkpoint / "reference" if checkpoint is not None else None
             source = synced if synced is not None and synced.is_dir() else cfg.model
-            reference_net = load_policy(str(source), kind=policy.kind)[0].model
+            reference_net = load_policy(str(source), kind=policy.kind, trust_remote_code=cfg.trust_remote_code)[0].model
     net = policy.model.train()
     optimizer = torch.optim.AdamW(net.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -166,10 +166,12 @@ def setup(task: Task, cfg: TrainConfig, print_fn, saved_config: dict | None) -> 
     dp = DataParallel(world, cfg.prompts_per_step, cfg.group_size, cfg.minibatch_size)
     run_dir = Path(broadcast_object(str(cfg.resume or cfg.run_dir or time.strftime(f"runs/{task.name}-%Y%m%d-%H%M%S")),
                                     world))
-    tracker = Tracker(run_dir, tensorboard=cfg.tensorboard) if world.is_main else NullTracker()
-    checkpoint = latest_checkpoint(run_dir) if cfg.resume else None
+    # rank 0 verifies the checkpoint's files (checksums, pickles) and every rank resumes from its choice
+    found = resumable_checkpoint(run_dir) if cfg.resume and world.is_main else None
+    checkpoint = broadcast_object(None if found is None else str(found), world) if cfg.resume else None
+    checkpoint = None if checkpoint is None else Path(checkpoint)
     require(cfg.resume is None or checkpoint is not None,
-            f"resume={cfg.resume!r}: no complete checkpoint in {run_dir}/checkpoints")
+            f"resume={cfg.resume!r}: no complete, intact checkpoint in {run_dir}/checkpoints")
     learned = load_learner(cfg, world, ds_options, checkpoint, with_reference=loss_options.get("beta", 0.0) > 0)
     require(not (dp.pads and learned.engine.stage == 3 and mixer is not None and mixer.config.length_rule == "none"),
             f"mixing.length_rule=none with deepspeed stage 3 on {world.size} ranks: a rank without external rows "
@@ -179,7 +181,9 @@ def setup(task: Task, cfg: TrainConfig, print_fn, saved_config: dict | None) -> 
     if checkpoint is not None:
         state = {**state, **load_trainer_state(checkpoint, learned.engine, learned.scheduler)}
         print_fn(f"resumed from {checkpoint} at step {state['step']}")
-    elif saved_config is not None and world.is_main:
+    resumed_at = state["step"] if checkpoint is not None else None  # the logs are cut back to it
+    tracker = Tracker(run_dir, cfg.tensorboard, resume_step=resumed_at) if world.is_main else NullTracker()
+    if checkpoint is None and saved_config is not None and world.is_main:
         (run_dir / "config.json").write_text(json.dumps(saved_config, indent=2) + "\n")
     if mixer is not None:
         mixer.baseline = state["external_baseline"]
@@ -195,7 +199,7 @@ def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned,
     greedy = TextGenerator(policy, tokenizer, **{**cfg.sampler, "temperature": 0.0})
     external = None if mixer is None else ExternalRollouts(
         mixer, task, tokenizer, window=sampler.gen_length, eos_id=policy.eos_id,
-        max_length=getattr(learned.net.config, "max_position_embeddings", None), seed=cfg.seed, dp=dp, autocast=autocast)
+        max_length=policy.context_length, seed=cfg.seed, dp=dp, autocast=autocast)
     reuse_current = (cfg.inner_iterations == 1 and dp.num_minibatches == 1
                      and not (mixer is not None and mixer.config.correction == "is"))
     learner = Learner(engine, policy, learned.reference, learned.scheduler, loss_options, cfg.inner_iterations,

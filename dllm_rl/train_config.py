@@ -43,6 +43,7 @@ def _group(name: str):
 @dataclass
 class TrainConfig:
     model: str = "models/tiny-dllm"
+    trust_remote_code: bool = False
     run_dir: str | None = None
     resume: str | None = None
     steps: int = 30

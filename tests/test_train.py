@@ -127,7 +127,33 @@ def test_killed_during_a_checkpoint_write_resumes_from_the_last_complete_one(sav
           print_fn=lambda *_: None)
     assert latest_checkpoint(run).name == "step_000006"
     steps = [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3, 4, 3, 4, 5, 6]  # steps 3-4 ran again after the crash
+    assert steps == [1, 2, 3, 4, 5, 6]  # steps 3-4 ran again after the crash, and were logged once
+
+
+def test_resume_cuts_the_logs_back_to_the_checkpoint_and_repairs_a_partial_line(saved_model, tmp_path):
+    """Steps logged after the last checkpoint are logged again by the resumed run, and a kill in the middle of a
+    write leaves half a line: both are cut before the resumed run appends, so each step appears once."""
+    from dllm_rl.analysis import load_run
+
+    run = tmp_path / "run"
+    train(DigitShare(), model=saved_model, run_dir=str(run), steps=2, checkpoint_every=2, **SMALL)
+    with open(run / "metrics.jsonl", "a") as f:  # step 3 logged, then killed while logging step 4
+        f.write(json.dumps({"step": 3, "reward/on_policy": 0.5}) + "\n" + '{"step": 4, "reward/on_pol')
+    with open(run / "samples.jsonl", "a") as f:
+        f.write(json.dumps({"step": 3, "completion": "x"}) + "\n" + '{"step": 4, "compl')
+    train(DigitShare(), model=saved_model, resume=str(run), steps=3, checkpoint_every=2, **SMALL)
+    logged = load_run(run)
+    assert logged["metrics"]["step"].tolist() == [1, 2, 3] and logged["metrics"]["reward/on_policy"][2] != 0.5
+    assert sorted(set(logged["samples"]["step"])) == [1, 2, 3] and "x" not in set(logged["samples"]["completion"])
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]  # no duplicate left for readers to drop
+
+
+def test_a_window_beyond_the_models_context_is_refused_inside_the_trainer(saved_model, tmp_path, capsys):
+    """The policy is a DeepSpeed engine inside the trainer; its context is still read from the network."""
+    assert cli.main(["train", f"model={saved_model}", f"run_dir={tmp_path / 'run'}", "external=none", "steps=1",
+                     "rollout.gen_length=128", "rollout.block_length=128", "rollout.steps=2", "eval_every=0"]) == 2
+    assert "exceeds the model's context of 128" in capsys.readouterr().err
 
 
 def test_zero_variance_steps_complete_without_an_update(saved_model, tmp_path):

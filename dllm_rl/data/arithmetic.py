@@ -16,7 +16,9 @@ from dllm_rl.data.answers import extract_tag, is_formatted
 from dllm_rl.data.task import D1_FORMAT, Example, GeneratedTask, Reward, Solution, score
 from dllm_rl.errors import require
 
-_INTEGER = re.compile(r"[+-]?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]{1,40})", re.ASCII)
+# An answer of up to 100 digits: the largest value the task's ranges allow, 8 operands of 12 digits multiplied,
+# has 96. The bound keeps a hostile completion's digit string from reaching int().
+_INTEGER = re.compile(r"[+-]?(?:[0-9]{1,3}(?:,[0-9]{3}){1,33}|[0-9]{1,100})", re.ASCII)
 
 
 def evaluate_steps(operands: list[int], ops: list[str]) -> tuple[int, list[str]]:

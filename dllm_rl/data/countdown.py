@@ -273,26 +273,35 @@ class Countdown(GeneratedTask):
                 f"need 1 <= min_number <= max_number, got {self.min_number} and {self.max_number}")
         require(self.min_target <= self.max_target,
                 f"need min_target <= max_target, got {self.min_target} and {self.max_target}")
+        # + and * trees grow with their leaves (- and / only shrink), so the largest value is that of k copies of
+        # max_number: their product for max_number >= 2; (1 + 1) * ... bounds the ones' trees by 2^k - 1
+        k = max(self.num_numbers)
+        largest = self.max_number ** k if self.max_number >= 2 else 2 ** k - 1
+        require(self.max_target >= 1 and self.min_target <= largest,
+                f"no instance can reach a target in [{self.min_target}, {self.max_target}]: values are positive "
+                f"integers, and {k} numbers of at most {self.max_number} make at most {largest}; widen task.min_target"
+                f"/max_target or the numbers")
         self.check_style()
 
-    def draw(self, rng: random.Random) -> Example:
-        """Numbers uniform in range; a random tree over them with positive integer intermediates."""
-        while True:
-            numbers = [rng.randint(self.min_number, self.max_number) for _ in range(rng.choice(self.num_numbers))]
-            items: list[tuple[int, object]] = [(x, x) for x in numbers]
-            while len(items) > 1:
-                (a, ta), (b, tb) = items.pop(rng.randrange(len(items))), items.pop(rng.randrange(len(items)))
-                if a < b:
-                    (a, ta), (b, tb) = (b, tb), (a, ta)
-                ops = ["+", "*"] + (["-"] if a > b else []) + (["/"] if a % b == 0 else [])
-                op = rng.choice(ops)
-                value = {"+": a + b, "-": a - b, "*": a * b, "/": a // b if b else 0}[op]
-                items.append((value, (op, ta, tb)))
-            target, tree = items[0]
-            if self.min_target <= target <= self.max_target:
-                uid = f"{sorted(numbers)}->{target}"
-                return Example(self.name, uid, self.question(numbers, target), to_text(tree),
-                               {"numbers": numbers, "target": target})
+    def draw(self, rng: random.Random) -> Example | None:
+        """Numbers uniform in range; a random tree over them with positive integer intermediates; None when its
+        value misses the target range (the caller draws again, within a bound)."""
+        numbers = [rng.randint(self.min_number, self.max_number) for _ in range(rng.choice(self.num_numbers))]
+        items: list[tuple[int, object]] = [(x, x) for x in numbers]
+        while len(items) > 1:
+            (a, ta), (b, tb) = items.pop(rng.randrange(len(items))), items.pop(rng.randrange(len(items)))
+            if a < b:
+                (a, ta), (b, tb) = (b, tb), (a, ta)
+            ops = ["+", "*"] + (["-"] if a > b else []) + (["/"] if a % b == 0 else [])
+            op = rng.choice(ops)
+            value = {"+": a + b, "-": a - b, "*": a * b, "/": a // b if b else 0}[op]
+            items.append((value, (op, ta, tb)))
+        target, tree = items[0]
+        if not self.min_target <= target <= self.max_target:
+            return None
+        uid = f"{sorted(numbers)}->{target}"
+        return Example(self.name, uid, self.question(numbers, target), to_text(tree),
+                       {"numbers": numbers, "target": target})
 
     @staticmethod
     def question(numbers: list[int], target: int) -> str:

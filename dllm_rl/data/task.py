@@ -96,10 +96,13 @@ def sample_unique(
     n: int,
     seed: int,
     test_fraction: float,
-    draw: Callable[[random.Random], Example],
+    draw: Callable[[random.Random], Example | None],
     max_tries_per_example: int = 200,
 ) -> list[Example]:
-    """Draw examples from a seeded generator, keeping those of `split` with a key not seen before.
+    """Draw examples from a seeded generator, keeping those of `split` with a key not seen before. A draw may
+    return None (an attempt that missed the task's constraints); every draw counts against the bound of
+    `max_tries_per_example * n + 1000`, so a setting that is unreachable, or too rare to use, fails with a named
+    error instead of running on.
 
     `random.Random` seeded with a string is deterministic across processes (it hashes the string with
     SHA-512), so the same (task, split, seed) always gives the same list.
@@ -110,15 +113,15 @@ def sample_unique(
     out: list[Example] = []
     for _ in range(max_tries_per_example * n + 1000):
         ex = draw(rng)
-        if ex.uid in seen or in_test_split(task_name, ex.uid, test_fraction) != want_test:
+        if ex is None or ex.uid in seen or in_test_split(task_name, ex.uid, test_fraction) != want_test:
             continue
         seen.add(ex.uid)
         out.append(ex)
         if len(out) == n:
             return out
     raise ConfigError(
-        f"could only generate {len(out)} distinct {split} examples of {task_name!r} out of n={n} asked; "
-        "widen the task's ranges or ask for fewer"
+        f"could only generate {len(out)} distinct {split} examples of {task_name!r} out of n={n} asked in "
+        f"{max_tries_per_example * n + 1000} random draws; widen the task's ranges or ask for fewer"
     )
 
 
@@ -143,7 +146,8 @@ class GeneratedTask:
     def prompt(self, example: Example) -> str:
         return self.compact_prompt(example) if self.prompt_style == "compact" else self.d1_prompt(example)
 
-    def draw(self, rng: random.Random) -> Example:
+    def draw(self, rng: random.Random) -> Example | None:
+        """One random example, or None for an attempt that missed the task's constraints (see sample_unique)."""
         raise NotImplementedError
 
     def compact_prompt(self, example: Example) -> str:

@@ -5,7 +5,8 @@ Nothing else in the package imports deepspeed."""
 from dllm_rl.engine.config import OFFLOAD_DEVICES, STAGES, deepspeed_config
 from dllm_rl.engine.dist import (World, all_gather_objects, all_sum, any_rank, barrier, broadcast_object,
                                  gather_tensor, init_distributed, mean_metrics, on_gpu, shutdown)
-from dllm_rl.engine.engine import CHECKPOINT_TAG, Engine, Update, gather_parameters, partitioned_loading
+from dllm_rl.engine.engine import (CHECKPOINT_TAG, Engine, Update, deepspeed_state_classes, gather_parameters,
+                                   partitioned_loading)
 
 # The options of the `deepspeed` config group that reach `deepspeed_config` (timeout_s goes to the process group).
 ENGINE_OPTIONS = ("stage", "bf16", "offload_optimizer", "offload_params")

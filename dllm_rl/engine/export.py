@@ -14,10 +14,11 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModel
 
-from dllm_rl.checkpoint import latest_checkpoint
+from dllm_rl.checkpoint import latest_checkpoint, vet_pickles
 from dllm_rl.data.tokenizers import load_tokenizer
 from dllm_rl.engine.engine import CHECKPOINT_TAG
 from dllm_rl.errors import ConfigError, require
+from dllm_rl.policy.adapters import MODEL_TYPES, REMOTE_CODE_KINDS, read_config, require_consent
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -42,12 +43,18 @@ def consolidated_state_dict(checkpoint: Path) -> dict[str, torch.Tensor]:
     return torch.load(states / "mp_rank_00_model_states.pt", weights_only=False, map_location="cpu")["module"]
 
 
-def export_checkpoint(checkpoint: str, output_dir: str, print_fn=print) -> Path:
+def export_checkpoint(checkpoint: str, output_dir: str, trust_remote_code: bool = False, print_fn=print) -> Path:
+    """Write the checkpoint's consolidated weights, config and tokenizer to `output_dir`. A LLaDA or Dream
+    checkpoint builds its model from the code it ships, so it needs `trust_remote_code=True`."""
     source, out = resolve_checkpoint(checkpoint), Path(output_dir)
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"output_dir={output_dir!r} exists and is not empty; choose a new directory")
-    config = AutoConfig.from_pretrained(source, trust_remote_code=True)
-    model = AutoModel.from_config(config, trust_remote_code=True)
+    kind = MODEL_TYPES.get(str(read_config(str(source), "checkpoint").get("model_type", "")).lower(), "other")
+    require_consent(str(source), kind, trust_remote_code, key="checkpoint")
+    remote = kind in REMOTE_CODE_KINDS
+    config = AutoConfig.from_pretrained(source, trust_remote_code=remote)
+    model = AutoModel.from_config(config, trust_remote_code=remote)
+    vet_pickles(source)  # DeepSpeed unpickles its states unsafely: check them first
     state = consolidated_state_dict(source)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {k for k in missing if getattr(config, "tie_word_embeddings", False) and "lm_head" in k}
@@ -57,7 +64,7 @@ def export_checkpoint(checkpoint: str, output_dir: str, print_fn=print) -> Path:
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
-    load_tokenizer(str(source), "checkpoint", trust_remote_code=True).save_pretrained(tmp)
+    load_tokenizer(str(source), "checkpoint", trust_remote_code=remote).save_pretrained(tmp)
     if out.exists():
         out.rmdir()
     tmp.rename(out)

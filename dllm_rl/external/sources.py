@@ -57,13 +57,13 @@ class CausalLMSource:
     name = "causal_lm"
 
     def __init__(self, path: str, temperature: float = 1.0, max_new_tokens: int = 128, dtype: str = "float32",
-                 batch_size: int = 64):
+                 batch_size: int = 64, trust_remote_code: bool = False):
         from dllm_rl.rollout.generate import load_generator
 
         require(temperature >= 0, f"external.temperature must be >= 0, got {temperature}")
         require(batch_size > 0, f"external.batch_size must be > 0, got {batch_size}")
-        self.generator = load_generator(path, kind="causal", dtype=dtype, gen_length=max_new_tokens,
-                                        temperature=temperature)
+        self.generator = load_generator(path, kind="causal", dtype=dtype, trust_remote_code=trust_remote_code,
+                                        gen_length=max_new_tokens, temperature=temperature)
         self.path, self.batch_size = path, batch_size
 
     def rollouts(self, task, examples, count, seeds):

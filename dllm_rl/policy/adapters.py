@@ -15,7 +15,13 @@ assumes of a checkpoint:
   and explicit `position_ids` that count real tokens, as Dream's own sampler passes them. The mask id is
   `config.mask_token_id` (151666), else the tokenizer's.
 
-`kind="auto"` reads `config.model_type` ("dllm_rl_diffusion_lm", "llada", "Dream"/"dream").
+`kind="auto"` reads `model_type` from config.json as plain JSON ("dllm_rl_diffusion_lm", "llada",
+"Dream"/"dream"), so no code runs to find out what a directory holds.
+
+Remote code only with consent: LLaDA and Dream ship their modeling code inside the checkpoint (config.json's
+`auto_map`), and loading them runs that code. `load_policy` does so only with `trust_remote_code=True` (the
+`trust_remote_code=true` key of every command); otherwise it stops with an error naming the directory. The
+native model is registered in-process and never runs code from a directory.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ def dream_logits(model, ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor | 
 
 
 LOGITS_FNS: dict[str, Callable] = {"native": native_logits, "llada": llada_logits, "dream": dream_logits}
+REMOTE_CODE_KINDS = ("llada", "dream")  # their modeling code ships with the checkpoint
 MODEL_TYPES = {"dllm_rl_diffusion_lm": "native", "llada": "llada", "dream": "dream"}
 MASK_TOKENS = {"llada": "<|mdm_mask|>"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -74,6 +81,13 @@ class DiffusionPolicy:
         """Whether the checkpoint's raw logits are shifted by one (the adapter undoes it)."""
         return self.kind == "dream"
 
+    @property
+    def context_length(self) -> int | None:
+        """The longest sequence the model takes (`max_position_embeddings`), None where its config does not
+        say. Read from the network itself: a DeepSpeed engine around it has a `config` of its own (a dict)."""
+        network = getattr(self.model, "module", self.model)
+        return getattr(getattr(network, "config", None), "max_position_embeddings", None)
+
     def logits(self, ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor | None = None) -> torch.Tensor:
         return LOGITS_FNS[self.kind](self.model, ids_BL, attention_mask_BL)
 
@@ -93,13 +107,32 @@ def resolve_mask_id(config, tokenizer, kind: str) -> int:
     return int(mask_id)
 
 
-def detect_kind(config) -> str:
-    model_type = str(getattr(config, "model_type", "")).lower()
+def read_config(path: str, key: str = "model") -> dict[str, Any]:
+    """A model directory's config.json as plain JSON (no code runs); a named error where it is missing or bad."""
+    file = Path(path).expanduser() / "config.json"
+    require(file.is_file(), f"{key}={path!r}: no config.json there (expected a Hugging Face model directory)")
+    try:
+        config = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{key}={path!r}: {file} is not valid JSON ({error})") from None
+    require(isinstance(config, dict), f"{key}={path!r}: {file} holds no JSON object")
+    return config
+
+
+def detect_kind(config: dict[str, Any]) -> str:
+    model_type = str(config.get("model_type", "")).lower()
     if model_type not in MODEL_TYPES:
         raise ConfigError(
             f"cannot tell which adapter fits model_type {model_type!r}; set policy kind to one of {sorted(LOGITS_FNS)}"
         )
     return MODEL_TYPES[model_type]
+
+
+def require_consent(path: str, kind: str, trust_remote_code: bool, key: str = "model") -> None:
+    """Stop before a checkpoint's own code runs, unless the user said it may."""
+    require(kind not in REMOTE_CODE_KINDS or trust_remote_code,
+            f"{key}={path!r} is a {kind} checkpoint: its model code ships in the directory (config.json auto_map) "
+            f"and loading it runs that code; pass trust_remote_code=true if you trust {path}")
 
 
 def wrap_model(model, kind: str, tokenizer=None) -> DiffusionPolicy:
@@ -124,15 +157,17 @@ def hidden_size_of(path: str) -> int | None:
     return config.get("hidden_size") or config.get("d_model")
 
 
-def load_policy(path: str, kind: str = "auto", dtype: str = "float32", device: str = "cpu"):
-    """(policy, tokenizer) from a local checkpoint directory; never downloads."""
+def load_policy(path: str, kind: str = "auto", dtype: str = "float32", device: str = "cpu",
+                trust_remote_code: bool = False):
+    """(policy, tokenizer) from a local checkpoint directory; never downloads. A LLaDA or Dream checkpoint runs
+    its own code, so it needs `trust_remote_code=True` (see the module docstring)."""
     require(Path(path).expanduser().is_dir(), f"model path {path!r}: expected a local model directory")
     torch_dtype = pick(DTYPES, dtype, "dtype")
-    remote = kind != "native"
-    config = AutoConfig.from_pretrained(path, trust_remote_code=remote)
-    kind = detect_kind(config) if kind == "auto" else kind
+    kind = detect_kind(read_config(path)) if kind == "auto" else kind
     pick(LOGITS_FNS, kind, "policy kind")
-    remote = kind != "native"
-    model = AutoModel.from_pretrained(path, trust_remote_code=remote, dtype=torch_dtype).to(device).eval()
+    require_consent(path, kind, trust_remote_code)
+    remote = kind in REMOTE_CODE_KINDS
+    config = AutoConfig.from_pretrained(path, trust_remote_code=remote)
+    model = AutoModel.from_pretrained(path, config=config, trust_remote_code=remote, dtype=torch_dtype).to(device).eval()
     tokenizer = load_tokenizer(path, "model", trust_remote_code=remote)
     return wrap_model(model, kind, tokenizer), tokenizer

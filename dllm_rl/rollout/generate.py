@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from dllm_rl.data.tokenizers import load_tokenizer
 
-from dllm_rl.errors import pick, require
-from dllm_rl.policy.adapters import DTYPES, MODEL_TYPES, DiffusionPolicy, load_policy
+from dllm_rl.errors import ConfigError, pick, require
+from dllm_rl.policy.adapters import DTYPES, MODEL_TYPES, DiffusionPolicy, load_policy, read_config
 from dllm_rl.rollout.causal import sample_causal
 from dllm_rl.rollout.sampler import completion_texts, denoise, first_eos, left_pad
 from dllm_rl.seeds import row_generators
@@ -54,7 +54,7 @@ class TextGenerator:
         ids_BP, mask_BP = left_pad(encoded, self.tokenizer.pad_token_id)
         generators = row_generators(seeds)
         if self.is_diffusion:
-            max_length = getattr(self.model.model.config, "max_position_embeddings", None)
+            max_length = self.model.context_length
             return denoise(self.model, ids_BP, mask_BP, gen_length=self.gen_length, block_length=self.block_length,
                            steps=self.steps, temperature=self.temperature, remasking=self.remasking,
                            cfg_scale=self.cfg_scale, generators=generators, max_length=max_length)
@@ -69,22 +69,38 @@ class TextGenerator:
 
 
 def is_diffusion_checkpoint(path: str) -> bool:
-    config = AutoConfig.from_pretrained(path, trust_remote_code=True)
-    return str(getattr(config, "model_type", "")).lower() in MODEL_TYPES
+    """Whether config.json names a masked-diffusion model type (read as JSON: no code runs)."""
+    return str(read_config(path).get("model_type", "")).lower() in MODEL_TYPES
 
 
-def load_generator(path: str, kind: str = "auto", dtype: str = "float32", **settings: Any) -> TextGenerator:
-    """A TextGenerator for a local checkpoint; `kind` is auto, native, llada, dream or causal."""
+def load_causal_lm(path: str, dtype: str = "float32", trust_remote_code: bool = False, key: str = "model"):
+    """A causal LM from a local directory. One whose code ships in the directory (a model type transformers does
+    not know) loads only with `trust_remote_code=True`; without it, a named error instead of running the code."""
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=pick(DTYPES, dtype, "dtype"),
+                                                    trust_remote_code=trust_remote_code).eval()
+    except ValueError as error:
+        if "trust_remote_code" not in str(error):
+            raise
+        raise ConfigError(f"{key}={path!r}: its model code ships in the directory (config.json auto_map) and "
+                          f"loading it runs that code; pass trust_remote_code=true if you trust {path}") from None
+
+
+def load_generator(path: str, kind: str = "auto", dtype: str = "float32", trust_remote_code: bool = False,
+                   **settings: Any) -> TextGenerator:
+    """A TextGenerator for a local checkpoint; `kind` is auto, native, llada, dream or causal. Code that ships
+    with a checkpoint runs only with `trust_remote_code=True`."""
     require(Path(path).expanduser().is_dir(), f"model={path!r}: expected a local model directory")
     if kind == "causal" or (kind == "auto" and not is_diffusion_checkpoint(path)):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=pick(DTYPES, dtype, "dtype")).eval()
-        return TextGenerator(model, load_tokenizer(path, "model"), **settings)
-    policy, tokenizer = load_policy(path, kind=kind, dtype=dtype)
+        model = load_causal_lm(path, dtype, trust_remote_code)
+        return TextGenerator(model, load_tokenizer(path, "model", trust_remote_code=trust_remote_code), **settings)
+    policy, tokenizer = load_policy(path, kind=kind, dtype=dtype, trust_remote_code=trust_remote_code)
     return TextGenerator(policy, tokenizer, **settings)
 
 
 def run_generate(*, model: str, prompt: str, rollout: dict[str, Any], kind: str = "auto", dtype: str = "float32",
-                 chat: bool = False, num_samples: int = 1, seed: int = 0, print_fn=print) -> list[Completion]:
+                 chat: bool = False, num_samples: int = 1, seed: int = 0, trust_remote_code: bool = False,
+                 print_fn=print) -> list[Completion]:
     """`dllm-rl generate`: print `num_samples` completions of `prompt`."""
     from dllm_rl.data.task import render_prompt
 
@@ -92,7 +108,7 @@ def run_generate(*, model: str, prompt: str, rollout: dict[str, Any], kind: str 
     if "\\n" in prompt:  # Hydra keeps a typed backslash-n as two characters; a prompt rarely means that
         print_fn("note: the prompt holds a literal backslash-n, not a newline (the override grammar does not "
                  "unescape it); for newlines pass real ones, e.g. in bash $'prompt=\\'line one\\nline two\\''")
-    generator = load_generator(model, kind=kind, dtype=dtype, **rollout)
+    generator = load_generator(model, kind=kind, dtype=dtype, trust_remote_code=trust_remote_code, **rollout)
     text = render_prompt(prompt, generator.tokenizer) if chat else prompt
     completions = generator([text] * num_samples, [seed + i for i in range(num_samples)])
     for i, c in enumerate(completions):

@@ -31,3 +31,10 @@ def test_generated_expressions_match_their_answers():
         assert 2 <= len(operands) <= 4
         # Python's own evaluation of the expression is an independent reference here (trusted input).
         assert int(ex.answer) == eval(ex.question)  # noqa: S307
+
+
+def test_the_longest_reference_answers_of_the_task_ranges_score_one():
+    task = Arithmetic(digits=12, num_operands=8, ops="*")  # the largest values the ranges allow: up to 96 digits
+    examples = task.examples("train", 20, 0)
+    assert max(len(ex.answer) for ex in examples) > 90
+    assert all(task.reward(f"<answer>{ex.answer}</answer>", ex).correct for ex in examples)

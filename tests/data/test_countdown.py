@@ -142,3 +142,21 @@ def test_prompt_styles():
     d1 = Countdown(prompt_style="d1").prompt(ex)
     assert str(ex.meta["numbers"]) in d1 and "<answer>" in d1 and "<reasoning>" in d1
     assert Countdown().prompt(ex) == f"Countdown. {ex.question}\n"
+
+
+def test_an_unreachable_target_range_is_a_named_error_not_an_endless_loop(capsys):
+    from dllm_rl import cli
+
+    with pytest.raises(ConfigError, match=r"no instance can reach a target in \[101, 101\]: .* 2 numbers of at most "
+                                          r"10 make at most 100"):
+        Countdown(num_numbers=(2,), max_number=10, min_target=101, max_target=101)
+    assert cli.main(["tasks", "task=countdown", "task.num_numbers=[2]", "task.max_number=10", "task.min_target=101",
+                     "task.max_target=101"]) == 2
+    assert "no instance can reach" in capsys.readouterr().err
+
+
+def test_a_reachable_but_rare_target_range_fails_within_the_draw_bound():
+    task = Countdown(min_target=970299, max_target=970299)  # only 99 * 99 * 99 reaches it
+    with pytest.raises(ConfigError, match=r"could only generate 0 distinct train examples of 'countdown' out of "
+                                          r"n=2 asked in 1400 random draws"):
+        task.examples("train", 2, 0)

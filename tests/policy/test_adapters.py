@@ -92,7 +92,8 @@ def unshifted_reference(policy, ids, **kwargs):
 
 
 def test_llada_adapter_passes_logits_through(tmp_path, char_tokenizer):
-    policy, tokenizer = load_policy(str(write_standin(tmp_path / "llada", "llada", char_tokenizer, False)))
+    path = write_standin(tmp_path / "llada", "llada", char_tokenizer, False)
+    policy, tokenizer = load_policy(str(path), trust_remote_code=True)
     assert policy.kind == "llada" and not policy.shifted
     assert policy.mask_id == char_tokenizer.mask_token_id
     ids = torch.randint(5, 100, (2, 10))
@@ -103,7 +104,7 @@ def test_llada_adapter_passes_logits_through(tmp_path, char_tokenizer):
 
 
 def test_dream_adapter_unshifts_and_passes_positions(tmp_path, char_tokenizer):
-    policy, _ = load_policy(str(write_standin(tmp_path / "dream", "Dream", char_tokenizer, True)))
+    policy, _ = load_policy(str(write_standin(tmp_path / "dream", "Dream", char_tokenizer, True)), trust_remote_code=True)
     assert policy.kind == "dream" and policy.shifted
     ids = torch.randint(5, 100, (2, 10))
     aligned = policy.logits(ids)
@@ -118,7 +119,7 @@ def test_dream_adapter_unshifts_and_passes_positions(tmp_path, char_tokenizer):
 
 def test_mask_id_from_the_tokenizer_when_the_config_has_none(tmp_path, char_tokenizer):
     path = write_standin(tmp_path / "llada", "llada", char_tokenizer, False, mask_in_config=False)
-    policy, _ = load_policy(str(path))
+    policy, _ = load_policy(str(path), trust_remote_code=True)
     assert policy.mask_id == char_tokenizer.mask_token_id
 
 
@@ -142,3 +143,30 @@ def test_hidden_size_read_from_the_config_file(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llada", "d_model": 4096}))
     assert hidden_size_of(str(tmp_path)) == 4096  # LLaDA names it d_model
     assert hidden_size_of(str(tmp_path / "missing")) is None
+
+
+def test_no_command_runs_a_checkpoints_own_code_without_consent(tmp_path, char_tokenizer):
+    """A directory whose config.json says llada and maps its classes to its own Python: without
+    trust_remote_code=true every command stops with a named error before that Python is imported."""
+    from dllm_rl import cli
+
+    planted = write_standin(tmp_path / "planted", "llada", char_tokenizer, False)
+    marker = tmp_path / "code_ran"
+    (planted / "standin.py").write_text(f"open({str(marker)!r}, 'w').close()\n" + (planted / "standin.py").read_text())
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_000001"  # a planted training checkpoint for export
+    checkpoint.mkdir(parents=True)
+    for name in ("config.json", "standin.py"):
+        (checkpoint / name).write_text((planted / name).read_text())
+    (checkpoint / "deepspeed").mkdir()
+    commands = [["eval", f"model={planted}", "num_prompts=1"], ["generate", f"model={planted}"],
+                ["sft", f"model={planted}", "steps=1"], ["train", f"model={planted}", "steps=1", f"run_dir={tmp_path / 't'}"],
+                ["export", f"checkpoint={checkpoint}", f"output_dir={tmp_path / 'out'}"]]
+    for command in commands:
+        assert cli.main(command) == 2, command
+        assert not marker.exists(), command
+    with pytest.raises(ConfigError, match=r"is a llada checkpoint: its model code ships in the directory .* pass "
+                                          r"trust_remote_code=true if you trust"):
+        load_policy(str(planted))
+    assert not marker.exists()
+    policy, _ = load_policy(str(planted), trust_remote_code=True)  # with consent it loads, and its code ran
+    assert policy.kind == "llada" and marker.exists()
