@@ -25,7 +25,7 @@ from hydra.errors import HydraException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from dllm_rl.errors import ConfigError, check_kwargs, did_you_mean, pick
+from dllm_rl.errors import ConfigError, check_kwargs, check_types, did_you_mean, pick
 
 
 def config_dir() -> Path:
@@ -46,6 +46,7 @@ def run_tasks(cfg: dict[str, Any]) -> None:
     task = build_task(**cfg.pop("task"))
     tokenizer = load_tokenizer(cfg.pop("tokenizer", None))
     check_kwargs(preview_tasks, cfg, "")
+    check_types(preview_tasks, cfg, "")
     preview_tasks(task, tokenizer=tokenizer, **cfg)
 
 
@@ -54,6 +55,7 @@ def run_generate(cfg: dict[str, Any]) -> None:
 
     cfg["rollout"].pop("name", None)
     check_kwargs(generate, cfg, "")
+    check_types(generate, cfg, "")
     generate(**cfg)
 
 
@@ -64,6 +66,7 @@ def run_eval(cfg: dict[str, Any]) -> None:
     task = build_task(**cfg.pop("task"))
     cfg["rollout"].pop("name", None)
     check_kwargs(evaluate, cfg, "")
+    check_types(evaluate, cfg, "")
     evaluate(task, **cfg)
 
 
@@ -73,6 +76,7 @@ def run_sft(cfg: dict[str, Any]) -> None:
 
     task = build_task(**cfg.pop("task"))
     check_kwargs(sft, cfg, "")
+    check_types(sft, cfg, "")
     sft(task, **cfg)
 
 
@@ -96,6 +100,7 @@ def run_export(cfg: dict[str, Any]) -> None:
     from dllm_rl.engine.export import export_checkpoint
 
     check_kwargs(export_checkpoint, cfg, "")
+    check_types(export_checkpoint, cfg, "")
     export_checkpoint(**cfg)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import functools
 import inspect
+import math
 import types
 import typing
 from typing import Any, Callable, Iterable
@@ -89,3 +90,30 @@ def check_types(fn: Callable, kwargs: dict[str, Any], prefix: str) -> None:
             hint = hints[key]
             expected = str(hint) if typing.get_args(hint) else getattr(hint, "__name__", str(hint))
             raise ConfigError(f"{where}={value!r}: expected {expected.replace('typing.', '')}")
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# Ranges a config value can be checked against by name: (test, what is expected).
+RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "positive": (lambda v: _number(v) and v > 0, "a finite number > 0"),
+    "non_negative": (lambda v: _number(v) and v >= 0, "a finite number >= 0"),
+    "at_least_1": (lambda v: _number(v) and v >= 1, "a number >= 1"),
+    "probability": (lambda v: _number(v) and 0 <= v <= 1, "a probability in [0, 1]"),
+    "open_unit": (lambda v: _number(v) and 0 < v < 1, "a number strictly between 0 and 1"),
+    "finite": (_number, "a finite number"),
+}
+
+
+def check_ranges(values: dict[str, Any], ranges: dict[str, str], prefix: str = "") -> None:
+    """Each `values[key]` that is given (not None) within `RANGES[ranges[key]]`, or a ConfigError naming
+    `prefix.key`, the value and the range."""
+    for key, rule in ranges.items():
+        value = values.get(key)
+        if value is None:
+            continue
+        ok, expected = RANGES[rule]
+        where = f"{prefix}.{key}" if prefix else key
+        require(ok(value), f"{where}={value!r}: expected {expected}")

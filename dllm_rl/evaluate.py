@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 from tqdm import tqdm
 
 from dllm_rl.data.task import Task, render_prompt
-from dllm_rl.errors import require
+from dllm_rl.errors import check_ranges, require
 from dllm_rl.seeds import derive_seed
 
 
@@ -113,8 +113,12 @@ def run_eval(task: Task, *, model: str, kind: str = "auto", dtype: str = "float3
              chat: bool = True, output_dir: str | None = None, trust_remote_code: bool = False,
              print_fn=print) -> dict[str, float]:
     """`dllm-rl eval`: load `model`, evaluate it on `task`, write samples.jsonl and summary.json."""
+    from dllm_rl.data.task import SPLITS
     from dllm_rl.rollout.generate import load_generator
 
+    check_ranges(dict(num_prompts=num_prompts, num_samples=num_samples, batch_size=batch_size),
+                 dict.fromkeys(("num_prompts", "num_samples", "batch_size"), "at_least_1"))
+    require(split in SPLITS, f"split must be one of {SPLITS}, got {split!r}")
     generator = load_generator(model, kind=kind, dtype=dtype, trust_remote_code=trust_remote_code, **rollout)
     summary, records = evaluate_task(
         generator, task, num_prompts=num_prompts, num_samples=num_samples, batch_size=batch_size, seed=seed,

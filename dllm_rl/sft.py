@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from dllm_rl.data.task import Task, render_completion, render_prompt
-from dllm_rl.errors import ConfigError, require
+from dllm_rl.errors import ConfigError, check_ranges, require
 from dllm_rl.optim import lr_factor
 from dllm_rl.policy.adapters import DiffusionPolicy
 from dllm_rl.policy.schedule import MaskingSchedule
@@ -201,6 +201,11 @@ def run_sft(task: Task, *, model: str, kind: str = "auto", output_dir: str = "ru
     """`dllm-rl sft`: fine-tune a local dLLM (masked-diffusion SFT) or causal LM (causal SFT), save it."""
     from dllm_rl.rollout.generate import load_generator
 
+    check_ranges(dict(examples=examples, gen_length=gen_length, steps=steps, batch_size=batch_size, lr=lr, warmup=warmup),
+                 {**dict.fromkeys(("examples", "gen_length", "steps", "batch_size"), "at_least_1"), "lr": "positive",
+                  "warmup": "non_negative"})
+    require(weighting in ("elbo", "masked_mean"), f"weighting must be 'elbo' or 'masked_mean', got {weighting!r}")
+    resolve_bf16(bf16)
     loaded = load_generator(model, kind=kind, trust_remote_code=trust_remote_code)
     tokenizer, net = loaded.tokenizer, loaded.model
     data = solver_examples(task, examples, seed, with_steps=with_steps)

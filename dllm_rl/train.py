@@ -38,15 +38,13 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
-from dllm_rl.algo.advantages import ADVANTAGE_FNS
-from dllm_rl.algo.losses import grpo_loss
 from dllm_rl.buffer import Rows
 from dllm_rl.checkpoint import load_trainer_state, resumable_checkpoint, save_checkpoint
 from dllm_rl.data.task import Task
 from dllm_rl.data_parallel import DataParallel
-from dllm_rl.engine import (ENGINE_OPTIONS, Engine, World, broadcast_object, deepspeed_config, init_distributed,
-                            on_gpu, partitioned_loading)
-from dllm_rl.errors import check_kwargs, pick, require
+from dllm_rl.engine import (Engine, World, broadcast_object, deepspeed_config, init_distributed, on_gpu,
+                            partitioned_loading)
+from dllm_rl.errors import ConfigError, require
 from dllm_rl.external.mixer import build_mixer
 from dllm_rl.likelihood.estimators import build_estimator
 from dllm_rl.optim import lr_factor
@@ -56,34 +54,17 @@ from dllm_rl.rollout.generate import TextGenerator
 from dllm_rl.stages import (ExternalRollouts, HeldOut, InProcessRollouts, Learner, PromptSource, StepBatch,
                             assign_advantages, inference, sample_rows, score_old_and_reference, step_metrics, verify)
 from dllm_rl.tracking import NullTracker, PhaseTimer, Tracker, console_line
-from dllm_rl.train_config import TrainConfig
+from dllm_rl.train_config import TrainConfig, engine_options, split_algo
 
-# grpo_loss's keyword arguments that the trainer passes itself; every other one is an `algo.*` option
-LOSS_RUNTIME_ARGS = ("weights_N", "shaped_N", "shaping_gamma", "global_units", "ranks")
-
-
-def split_algo(algo: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """(the advantage estimator's name, grpo_loss's options) of the `algo` group, checked."""
-    advantage = algo.get("advantage", "mean")
-    pick(ADVANTAGE_FNS, advantage, "algo.advantage")
-    options = {k: v for k, v in algo.items() if k not in ("name", "advantage")}
-    positional = ("logp_NC", "old_logp_NC", "ref_logp_NC", "adv_N", "mask_NC")
-    check_kwargs(grpo_loss, options, "algo", exclude=(*positional, *LOSS_RUNTIME_ARGS))
-    require(options.get("eps_low", 1) > 0, f"algo.eps_low must be > 0, got {options.get('eps_low')}")
-    require(options.get("eps_high", 1) > 0, f"algo.eps_high must be > 0, got {options.get('eps_high')}")
-    require(options.get("beta", 0) >= 0, f"algo.beta must be >= 0, got {options.get('beta')}")
-    return advantage, options
-
-
-def engine_options(deepspeed: dict[str, Any]) -> tuple[dict[str, Any], float]:
-    """(deepspeed_config's options, the collective timeout) of the `deepspeed` group, checked."""
-    options = {k: v for k, v in deepspeed.items() if k != "name"}
-    timeout_s = options.pop("timeout_s", 600)
-    unknown = sorted(set(options) - set(ENGINE_OPTIONS))
-    require(not unknown, f"unknown config key(s) {['deepspeed.' + k for k in unknown]}; valid keys under 'deepspeed': "
-            f"{sorted(ENGINE_OPTIONS + ('timeout_s',))}")
-    deepspeed_config(**options)  # bad stage / offload values fail here, before any process group exists
-    return options, timeout_s
+def writable_directory(path: Path) -> None:
+    """Make `path` (and its parents) or stop with a named error, before anything is loaded."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write_test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        raise ConfigError(f"run_dir={str(path)!r}: cannot write there ({error.strerror or error})") from None
 
 
 def require_cpu_accelerator() -> None:
@@ -166,6 +147,8 @@ def setup(task: Task, cfg: TrainConfig, print_fn, saved_config: dict | None) -> 
     dp = DataParallel(world, cfg.prompts_per_step, cfg.group_size, cfg.minibatch_size)
     run_dir = Path(broadcast_object(str(cfg.resume or cfg.run_dir or time.strftime(f"runs/{task.name}-%Y%m%d-%H%M%S")),
                                     world))
+    if world.is_main:
+        writable_directory(run_dir)
     # rank 0 verifies the checkpoint's files (checksums, pickles) and every rank resumes from its choice
     found = resumable_checkpoint(run_dir) if cfg.resume and world.is_main else None
     checkpoint = broadcast_object(None if found is None else str(found), world) if cfg.resume else None
@@ -194,6 +177,9 @@ def setup(task: Task, cfg: TrainConfig, print_fn, saved_config: dict | None) -> 
 def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned, state, estimator, mixer, advantage,
                  loss_options, autocast, print_fn) -> Run:
     policy, tokenizer, engine = learned.policy, learned.tokenizer, learned.engine
+    prompts = PromptSource(task, tokenizer, dp, cfg.prompts_per_step, cfg.train_pool, cfg.seed, state["data_position"])
+    if mixer is not None:
+        mixer.check_source(prompts.examples, print_fn)
     generating = lambda: inference(learned.net, engine, autocast)  # noqa: E731
     sampler = TextGenerator(policy, tokenizer, **cfg.sampler)
     greedy = TextGenerator(policy, tokenizer, **{**cfg.sampler, "temperature": 0.0})
@@ -207,7 +193,7 @@ def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned,
                       autocast, cfg.ref_sync_every, cfg.max_bad_steps, bad_steps=state["bad_steps"])
     return Run(
         cfg, task, dp, run_dir, tracker, learned, state,
-        prompts=PromptSource(task, tokenizer, dp, cfg.prompts_per_step, cfg.train_pool, cfg.seed, state["data_position"]),
+        prompts=prompts,
         rollouts=InProcessRollouts(sampler, estimator, cfg.group_size, cfg.seed, generating),
         external=external,
         advantages=functools.partial(assign_advantages, advantage=advantage, mixer=mixer, dp=dp),

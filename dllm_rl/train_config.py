@@ -18,9 +18,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from dllm_rl.errors import check_kwargs, check_types, require
-from dllm_rl.external.mixer import MixingConfig
+from dllm_rl.algo.advantages import ADVANTAGE_FNS
+from dllm_rl.algo.losses import AGGREGATIONS, KL_FNS, grpo_loss
+from dllm_rl.engine import ENGINE_OPTIONS, deepspeed_config
+from dllm_rl.errors import check_kwargs, check_ranges, check_types, pick, require
+from dllm_rl.external.mixer import MixingConfig, external_likelihood
+from dllm_rl.external.sources import check_source_options
+from dllm_rl.likelihood.estimators import build_estimator
 from dllm_rl.optim import LR_SCHEDULES
+from dllm_rl.rollout.sampler import check_sampler_settings
 
 # The default option of each config group: configs/<group>/<option>.yaml, as configs/train.yaml picks them.
 GROUP_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -106,11 +112,62 @@ class TrainConfig:
         require(self.lr_schedule in LR_SCHEDULES,
                 f"lr_schedule must be {' or '.join(map(repr, LR_SCHEDULES))}, got {self.lr_schedule!r}")
         require(self.bf16 in (True, False, "auto"), f"bf16 must be true, false or auto, got {self.bf16!r}")
+        self.check_groups()
+
+    def check_groups(self) -> None:
+        """Every group by name, type and range, as far as it can be without loading anything."""
+        check_kwargs(check_sampler_settings, self.sampler, "rollout", exclude=("key",))
+        check_sampler_settings(**self.sampler)
+        estimator = build_estimator(self.likelihood)
+        split_algo(self.algo)
+        engine_options(self.deepspeed)
+        source = {k: v for k, v in self.external.items() if k != "name"}
+        if self.external.get("name") != "none":
+            check_source_options(self.external.get("name"), source)
+            check_kwargs(MixingConfig, self.mixing, "mixing")
+            likelihood = MixingConfig(**self.mixing).likelihood
+            build_estimator(external_likelihood(estimator.config, likelihood), "mixing.likelihood")
 
     @property
     def sampler(self) -> dict[str, Any]:
         """The rollout group as the sampler's keyword arguments."""
         return {k: v for k, v in self.rollout.items() if k != "name"}
+
+
+# grpo_loss's keyword arguments that the trainer passes itself; every other one is an `algo.*` option
+LOSS_RUNTIME_ARGS = ("weights_N", "shaped_N", "shaping_gamma", "global_units", "ranks")
+
+
+def split_algo(algo: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(the advantage estimator's name, grpo_loss's options) of the `algo` group, checked."""
+    advantage = algo.get("advantage", "mean")
+    pick(ADVANTAGE_FNS, advantage, "algo.advantage")
+    options = {k: v for k, v in algo.items() if k not in ("name", "advantage")}
+    positional = ("logp_NC", "old_logp_NC", "ref_logp_NC", "adv_N", "mask_NC")
+    check_kwargs(grpo_loss, options, "algo", exclude=(*positional, *LOSS_RUNTIME_ARGS))
+    check_types(grpo_loss, options, "algo")
+    require(options.get("eps_low", 1) > 0, f"algo.eps_low must be > 0, got {options.get('eps_low')}")
+    require(options.get("eps_high", 1) > 0, f"algo.eps_high must be > 0, got {options.get('eps_high')}")
+    require(options.get("beta", 0) >= 0, f"algo.beta must be >= 0, got {options.get('beta')}")
+    check_ranges(options, {"eps_low": "open_unit", "eps_high": "positive", "beta": "non_negative",
+                           "constant": "positive"}, "algo")
+    pick(KL_FNS, options.get("kl", "k3"), "algo.kl")
+    pick(AGGREGATIONS, options.get("aggregation", "token"), "algo.aggregation")
+    require(options.get("aggregation") != "constant" or options.get("constant") is not None,
+            "algo.aggregation=constant divides by algo.constant (Dr.GRPO: the completion window): set it")
+    return advantage, options
+
+
+def engine_options(deepspeed: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    """(deepspeed_config's options, the collective timeout) of the `deepspeed` group, checked."""
+    options = {k: v for k, v in deepspeed.items() if k != "name"}
+    timeout_s = options.pop("timeout_s", 600)
+    check_ranges({"timeout_s": timeout_s}, {"timeout_s": "positive"}, "deepspeed")
+    unknown = sorted(set(options) - set(ENGINE_OPTIONS))
+    require(not unknown, f"unknown config key(s) {['deepspeed.' + k for k in unknown]}; valid keys under 'deepspeed': "
+            f"{sorted(ENGINE_OPTIONS + ('timeout_s',))}")
+    deepspeed_config(**options)  # bad stage / offload values fail here, before any process group exists
+    return options, timeout_s
 
 
 def merge_group(default: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:

@@ -53,9 +53,9 @@ def test_the_cli_reports_a_bad_top_level_value_by_name(capsys):
 
 
 def test_a_group_dict_overrides_the_keys_it_names_and_another_option_replaces_the_group():
-    cfg = TrainConfig.from_options({"rollout": {"gen_length": 16}, "likelihood": {"name": "elbo", "num_masks": 2},
+    cfg = TrainConfig.from_options({"rollout": {"gen_length": 128}, "likelihood": {"name": "elbo", "num_masks": 2},
                                     "mixing": {"per_prompt": 1}})
-    assert cfg.rollout == {**GROUP_DEFAULTS["rollout"], "gen_length": 16}  # like rollout.gen_length=16
+    assert cfg.rollout == {**GROUP_DEFAULTS["rollout"], "gen_length": 128}  # like rollout.gen_length=128
     assert cfg.sampler["temperature"] == 1.0 and "name" not in cfg.sampler
     assert cfg.likelihood == {"name": "elbo", "num_masks": 2}  # like likelihood=elbo likelihood.num_masks=2
     assert cfg.mixing["per_prompt"] == 1 and cfg.mixing["likelihood"] == GROUP_DEFAULTS["mixing"]["likelihood"]

@@ -19,6 +19,7 @@ def preview_tasks(task: Task, n: int = 3, split: str = "train", seed: int = 0, c
                   tokenizer=None, print_fn=print) -> dict:
     """Print `n` examples of `task` and score `check` more; returns the summary as a dict."""
     require(isinstance(check, int) and check >= 0, f"check must be a non-negative integer, got {check!r}")
+    require(isinstance(n, int) and n >= 1, f"n must be a positive integer, got {n!r}")
     start = time.perf_counter()
     shown = task.examples(split, n, seed)
     for i, ex in enumerate(shown):

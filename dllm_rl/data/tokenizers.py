@@ -21,7 +21,7 @@ from typing import Iterable
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from dllm_rl.errors import require
+from dllm_rl.errors import ConfigError, require
 
 SPECIAL_TOKENS = {
     "pad_token": "<|pad|>",
@@ -141,7 +141,14 @@ def load_tokenizer(path: str | None, key: str = "tokenizer", trust_remote_code: 
     directory = Path(path).expanduser()
     require(directory.is_dir(), f"{key}={path!r}: expected a local tokenizer directory")
     config = directory / "tokenizer_config.json"
-    saved_class = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
-    if saved_class in GENERIC_CLASSES:
-        return PreTrainedTokenizerFast.from_pretrained(str(directory))
-    return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=trust_remote_code)
+    try:
+        saved_class = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as error:
+        raise ConfigError(f"{key}={path!r}: {config} is not a JSON object ({error})") from None
+    try:
+        if saved_class in GENERIC_CLASSES:
+            return PreTrainedTokenizerFast.from_pretrained(str(directory))
+        return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, TypeError) as error:
+        raise ConfigError(f"{key}={path!r}: no tokenizer could be loaded from it ({type(error).__name__}: "
+                          f"{str(error).strip().splitlines()[0][:300]})") from None

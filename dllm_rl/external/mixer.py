@@ -14,15 +14,16 @@ tokens weigh what a token-level row's tokens weigh.
 from __future__ import annotations
 
 import warnings
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from dllm_rl.algo import mixing
-from dllm_rl.buffer import Rows
+from dllm_rl.buffer import MINIBATCH_MIXES, Rows
 from dllm_rl.data.task import Example, Task
-from dllm_rl.errors import ConfigError, check_kwargs, pick, require
+from dllm_rl.errors import ConfigError, check_kwargs, check_ranges, check_types, pick, require
 from dllm_rl.external.bridge import LENGTH_RULES, bridge, control_length, select, window_row
 from dllm_rl.external.sources import ExternalSource, build_source
 from dllm_rl.likelihood.estimators import Estimator, build_estimator
@@ -65,14 +66,16 @@ class MixingConfig:
     minibatch_mix: str = "stratified"
 
     def __post_init__(self) -> None:
+        check_types(MixingConfig, dataclasses.asdict(self), "mixing")
         require(self.per_prompt >= 1, f"mixing.per_prompt must be >= 1, got {self.per_prompt}")
         require(self.candidates >= 1, f"mixing.candidates must be >= 1, got {self.candidates}")
         require(self.decay_steps >= 1, f"mixing.decay_steps must be >= 1, got {self.decay_steps}")
-        require(self.weight >= 0, f"mixing.weight must be >= 0, got {self.weight}")
+        check_ranges(dataclasses.asdict(self), {"weight": "non_negative", "constant": "finite",
+                                                "shaping_gamma": "positive", "is_cap": "positive"}, "mixing")
         require(0 <= self.baseline_decay < 1, f"mixing.baseline_decay must be in [0, 1), got {self.baseline_decay}")
         for key, names in (("trigger", mixing.TRIGGERS), ("keep", KEEP), ("length_rule", LENGTH_RULES),
                            ("processing", mixing.PROCESSING), ("statistic", mixing.STATISTICS),
-                           ("correction", mixing.CORRECTIONS)):
+                           ("correction", mixing.CORRECTIONS), ("minibatch_mix", MINIBATCH_MIXES)):
             pick({n: n for n in names}, getattr(self, key), f"mixing.{key}")
 
 
@@ -80,9 +83,10 @@ def external_likelihood(on_policy: dict[str, Any], override: dict[str, Any] | No
     """The estimator config for external rows (see the module docstring)."""
     if override:
         name = override.get("name")
-        require(not build_estimator(override, "mixing.likelihood").needs_trajectory,
+        require(not build_estimator({"name": name}, "mixing.likelihood").needs_trajectory,
                 f"mixing.likelihood.name={name!r} needs a denoising trajectory, which external rollouts do not have; "
                 "use mean_field, elbo, coupled or left_to_right")
+        build_estimator(override, "mixing.likelihood")
         return dict(override)
     if not build_estimator(on_policy).needs_trajectory:
         return dict(on_policy)
@@ -99,6 +103,13 @@ class ExternalMixer:
                     f"{self.estimator.name!r} is per sequence")
         self.baseline = 0.0  # running mean of external rewards (statistic=running); saved with checkpoints
         self.warned: set[str] = set()
+
+    def check_source(self, examples: list[Example], print_fn=print) -> None:
+        """A source that only covers some prompts (a JSONL file) says how many of the train prompts it covers,
+        and stops the run when it covers none (the file of another task)."""
+        covered = getattr(self.source, "covered", None)
+        if covered is not None:
+            print_fn(f"external source {self.source.name}: rollouts for {covered(examples)} of {len(examples)} train prompts")
 
     # ------------------------------------------------------------------------------------ external rows
 

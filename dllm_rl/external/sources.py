@@ -18,6 +18,7 @@ Every source is deterministic given the seeds it is handed, so a resumed run see
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from dllm_rl.data.task import Example, Solution, Task, render_completion, render_prompt
-from dllm_rl.errors import ConfigError, check_kwargs, pick, require
+from dllm_rl.errors import ConfigError, check_kwargs, check_ranges, check_types, pick, require
 from dllm_rl.rollout.sampler import first_eos
 
 
@@ -60,8 +61,9 @@ class CausalLMSource:
                  batch_size: int = 64, trust_remote_code: bool = False):
         from dllm_rl.rollout.generate import load_generator
 
-        require(temperature >= 0, f"external.temperature must be >= 0, got {temperature}")
-        require(batch_size > 0, f"external.batch_size must be > 0, got {batch_size}")
+        check_ranges(dict(temperature=temperature, max_new_tokens=max_new_tokens, batch_size=batch_size),
+                     {"temperature": "non_negative", "max_new_tokens": "at_least_1", "batch_size": "at_least_1"},
+                     "external")
         self.generator = load_generator(path, kind="causal", dtype=dtype, trust_remote_code=trust_remote_code,
                                         gen_length=max_new_tokens, temperature=temperature)
         self.path, self.batch_size = path, batch_size
@@ -93,8 +95,12 @@ class JsonlSource:
     def __init__(self, path: str):
         file = Path(path).expanduser()
         require(file.is_file(), f"external.path={path!r}: expected a JSONL file of external rollouts")
-        self.by_uid: dict[str, list[tuple[str, float | None]]] = {}
-        for number, line in enumerate(file.read_text().splitlines(), 1):
+        self.path, self.by_uid = path, {}
+        try:
+            text = file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as error:
+            raise ConfigError(f"external.path={path!r}: not UTF-8 text ({error})") from None
+        for number, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             try:
@@ -104,10 +110,19 @@ class JsonlSource:
             require(isinstance(row, dict) and isinstance(row.get("uid"), str) and isinstance(row.get("completion"), str),
                     f"{path}:{number}: expected an object with string fields 'uid' and 'completion', got {line[:80]!r}")
             logp = row.get("behaviour_logp")
-            require(logp is None or isinstance(logp, (int, float)),
-                    f"{path}:{number}: behaviour_logp must be a number, got {logp!r}")
+            require(logp is None or (isinstance(logp, (int, float)) and not isinstance(logp, bool)
+                                     and math.isfinite(logp) and logp <= 0),
+                    f"{path}:{number}: behaviour_logp must be a finite log-probability (<= 0), got {logp!r}")
             self.by_uid.setdefault(row["uid"], []).append((row["completion"], None if logp is None else float(logp)))
         require(self.by_uid, f"external.path={path!r} holds no rollouts")
+
+    def covered(self, examples: Sequence[Example]) -> int:
+        """How many of `examples` have stored rollouts; none at all means the file is another task's."""
+        covered = sum(ex.uid in self.by_uid for ex in examples)
+        require(covered > 0, f"external.path={self.path!r}: none of its {len(self.by_uid)} uids is the uid of a train "
+                f"prompt of this task (e.g. {next(iter(self.by_uid))!r} against {examples[0].uid!r}); is it the file "
+                f"of another task?")
+        return covered
 
     def rollouts(self, task, examples, count, seeds):
         out = []
@@ -154,7 +169,14 @@ SOURCES: dict[str, Callable[..., ExternalSource]] = {
 
 def build_source(name: str, **options) -> ExternalSource:
     """The source `SOURCES[name]` built from its flat config options (unknown keys are named)."""
+    cls = check_source_options(name, options)
+    return cls(**options)
+
+
+def check_source_options(name: str, options: dict) -> Callable[..., ExternalSource]:
+    """The source class `name`, with its options checked by name and type (nothing is loaded)."""
     cls = pick(SOURCES, name, "external.name")
     check_kwargs(cls.__init__, options, "external")
-    return cls(**options)
+    check_types(cls.__init__, options, "external")
+    return cls
 

@@ -41,7 +41,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from dllm_rl.errors import check_kwargs, check_types, pick, require
+from dllm_rl.errors import check_kwargs, check_ranges, check_types, pick, require
 from dllm_rl.policy.adapters import DiffusionPolicy
 from dllm_rl.seeds import row_generators
 
@@ -166,6 +166,7 @@ def estimate_logp(name: str, policy, ids_NL, attention_mask_NL, prompt_length: i
 
 
 RUNTIME_ARGS = ("seeds_N", "order_NC")  # what the trainer passes per call; every other keyword is an option
+OPTION_RANGES = {"prompt_mask_prob": "probability", "num_masks": "at_least_1", "eps": "open_unit", "group": "at_least_1"}
 
 
 @dataclass(frozen=True)
@@ -208,4 +209,5 @@ def build_estimator(config: dict[str, Any], key: str = "likelihood") -> Estimato
     positional = [p.name for p in inspect.signature(fn).parameters.values() if p.kind is not p.KEYWORD_ONLY]
     check_kwargs(fn, options, key, exclude=(*positional, *RUNTIME_ARGS))
     check_types(fn, options, key)
+    check_ranges(options, OPTION_RANGES, key)
     return Estimator(name, fn, level, needs_trajectory, options)

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModel
 
 from dllm_rl.data.tokenizers import load_tokenizer
@@ -144,7 +145,12 @@ def wrap_model(model, kind: str, tokenizer=None) -> DiffusionPolicy:
     if tokenizer is not None:
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else pad_id
         eos_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else eos_id
-    return DiffusionPolicy(model, kind, resolve_mask_id(config, tokenizer, kind), pad_id, eos_id)
+    mask_id, vocab = resolve_mask_id(config, tokenizer, kind), getattr(config, "vocab_size", None)
+    require(vocab is None or 0 <= mask_id < vocab,
+            f"the mask token id {mask_id} is outside the model's vocabulary of {vocab} (config.mask_token_id)")
+    require(mask_id != pad_id, f"the mask token id equals the pad token id ({mask_id}): a dLLM must tell a masked "
+            f"position from padding; give the tokenizer a separate pad token")
+    return DiffusionPolicy(model, kind, mask_id, pad_id, eos_id)
 
 
 def hidden_size_of(path: str) -> int | None:
@@ -167,7 +173,12 @@ def load_policy(path: str, kind: str = "auto", dtype: str = "float32", device: s
     pick(LOGITS_FNS, kind, "policy kind")
     require_consent(path, kind, trust_remote_code)
     remote = kind in REMOTE_CODE_KINDS
-    config = AutoConfig.from_pretrained(path, trust_remote_code=remote)
-    model = AutoModel.from_pretrained(path, config=config, trust_remote_code=remote, dtype=torch_dtype).to(device).eval()
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=remote)
+        model = AutoModel.from_pretrained(path, config=config, trust_remote_code=remote, dtype=torch_dtype)
+    except (OSError, ValueError, RuntimeError, SafetensorError) as error:  # a missing, truncated or mismatched file
+        raise ConfigError(f"model={path!r}: cannot load the model from it ({type(error).__name__}: "
+                          f"{str(error).strip().splitlines()[0][:300]})") from None
+    model = model.to(device).eval()
     tokenizer = load_tokenizer(path, "model", trust_remote_code=remote)
     return wrap_model(model, kind, tokenizer), tokenizer

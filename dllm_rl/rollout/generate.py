@@ -15,12 +15,15 @@ from transformers import AutoModelForCausalLM
 
 from dllm_rl.data.tokenizers import load_tokenizer
 
-from dllm_rl.errors import ConfigError, pick, require
-from dllm_rl.policy.adapters import DTYPES, MODEL_TYPES, DiffusionPolicy, load_policy, read_config
+from dllm_rl.errors import ConfigError, check_kwargs, check_ranges, pick, require
+from dllm_rl.policy.adapters import DTYPES, LOGITS_FNS, MODEL_TYPES, DiffusionPolicy, load_policy, read_config
 from dllm_rl.rollout.causal import sample_causal
-from dllm_rl.rollout.sampler import completion_texts, denoise, first_eos, left_pad
+from dllm_rl.rollout.sampler import check_sampler_settings, completion_texts, denoise, first_eos, left_pad
 from dllm_rl.seeds import row_generators
 from dllm_rl.types import Samples
+
+
+KINDS = ("auto", *LOGITS_FNS, "causal")  # what a checkpoint is loaded as (auto: from its config.json)
 
 
 @dataclass(frozen=True)
@@ -90,10 +93,15 @@ def load_generator(path: str, kind: str = "auto", dtype: str = "float32", trust_
                    **settings: Any) -> TextGenerator:
     """A TextGenerator for a local checkpoint; `kind` is auto, native, llada, dream or causal. Code that ships
     with a checkpoint runs only with `trust_remote_code=True`."""
+    pick(dict.fromkeys(KINDS), kind, "kind")
+    pick(DTYPES, dtype, "dtype")
+    check_kwargs(check_sampler_settings, settings, "rollout", exclude=("key",))
     require(Path(path).expanduser().is_dir(), f"model={path!r}: expected a local model directory")
     if kind == "causal" or (kind == "auto" and not is_diffusion_checkpoint(path)):
+        check_ranges(settings, {"gen_length": "at_least_1", "temperature": "non_negative"}, "rollout")
         model = load_causal_lm(path, dtype, trust_remote_code)
         return TextGenerator(model, load_tokenizer(path, "model", trust_remote_code=trust_remote_code), **settings)
+    check_sampler_settings(**settings)
     policy, tokenizer = load_policy(path, kind=kind, dtype=dtype, trust_remote_code=trust_remote_code)
     return TextGenerator(policy, tokenizer, **settings)
 
@@ -104,7 +112,7 @@ def run_generate(*, model: str, prompt: str, rollout: dict[str, Any], kind: str 
     """`dllm-rl generate`: print `num_samples` completions of `prompt`."""
     from dllm_rl.data.task import render_prompt
 
-    require(num_samples > 0, f"num_samples must be positive, got {num_samples}")
+    check_ranges({"num_samples": num_samples}, {"num_samples": "at_least_1"})
     if "\\n" in prompt:  # Hydra keeps a typed backslash-n as two characters; a prompt rarely means that
         print_fn("note: the prompt holds a literal backslash-n, not a newline (the override grammar does not "
                  "unescape it); for newlines pass real ones, e.g. in bash $'prompt=\\'line one\\nline two\\''")

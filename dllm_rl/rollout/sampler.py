@@ -26,7 +26,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from dllm_rl.errors import ConfigError, require
+from dllm_rl.errors import ConfigError, check_ranges, check_types, require
 from dllm_rl.policy.adapters import DiffusionPolicy
 from dllm_rl.policy.schedule import MaskingSchedule
 from dllm_rl.types import Samples
@@ -46,21 +46,32 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Ten
     return ids_BP, mask_BP
 
 
-def check_sampler_args(gen_length: int, block_length: int, steps: int, prompt_length: int,
-                       max_length: int | None, temperature: float, remasking: str, cfg_scale: float) -> int:
-    """Validate the settings; returns the number of blocks."""
-    require(gen_length > 0 and block_length > 0 and steps > 0,
-            f"gen_length, block_length and steps must be positive, got {gen_length}, {block_length}, {steps}")
+def check_sampler_settings(gen_length: int = 64, block_length: int = 32, steps: int = 64, temperature: float = 0.0,
+                           remasking: str = "low_confidence", cfg_scale: float = 0.0, key: str = "rollout") -> int:
+    """The sampler's settings by name, type and range, before any model is loaded (`key` prefixes the names in
+    errors); returns the number of blocks."""
+    check_types(check_sampler_settings, dict(gen_length=gen_length, block_length=block_length, steps=steps,
+                                             temperature=temperature, remasking=remasking, cfg_scale=cfg_scale), key)
+    check_ranges(dict(gen_length=gen_length, block_length=block_length, steps=steps), dict.fromkeys(
+        ("gen_length", "block_length", "steps"), "at_least_1"), key)
+    check_ranges(dict(temperature=temperature, cfg_scale=cfg_scale), dict.fromkeys(("temperature", "cfg_scale"),
+                                                                                    "non_negative"), key)
     require(gen_length % block_length == 0,
             f"gen_length={gen_length} must be a multiple of block_length={block_length}")
     num_blocks = gen_length // block_length
     require(steps % num_blocks == 0,
             f"steps={steps} must be divisible by the number of blocks gen_length/block_length={num_blocks}")
+    require(remasking in REMASKING, f"{key}.remasking must be one of {REMASKING}, got {remasking!r}")
+    return num_blocks
+
+
+def check_sampler_args(gen_length: int, block_length: int, steps: int, prompt_length: int,
+                       max_length: int | None, temperature: float, remasking: str, cfg_scale: float) -> int:
+    """Validate the settings and the context they need for a prompt of `prompt_length`; returns the number of
+    blocks."""
+    num_blocks = check_sampler_settings(gen_length, block_length, steps, temperature, remasking, cfg_scale)
     require(max_length is None or prompt_length + gen_length <= max_length,
             f"prompt of {prompt_length} tokens + gen_length={gen_length} exceeds the model's context of {max_length}")
-    require(temperature >= 0, f"temperature must be >= 0, got {temperature}")
-    require(remasking in REMASKING, f"remasking must be one of {REMASKING}, got {remasking!r}")
-    require(cfg_scale >= 0, f"cfg_scale must be >= 0, got {cfg_scale}")
     return num_blocks
 
 
