@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from dllm_rl.engine import CHECKPOINT_TAG, Engine, barrier, deepspeed_state_classes
-from dllm_rl.errors import ConfigError
+from dllm_rl.errors import ConfigError, RunStopped
 
 MARKER = "COMPLETE"
 MANIFEST = "MANIFEST.json"
@@ -55,29 +55,40 @@ def _atomic_write(path: Path, text: str) -> None:
 
 def save_checkpoint(run_dir: str | Path, step: int, engine: Engine, scheduler, state: dict[str, Any],
                     keep_last: int = 2, tokenizer=None, reference=None) -> Path:
-    """Every rank calls this; rank 0 writes the shared files and publishes the checkpoint."""
+    """Every rank calls this; rank 0 writes the shared files and publishes the checkpoint. A write that fails
+    (a full disk, no permission) removes the half-written directory and stops the run with a message that names
+    the directory; the previous checkpoint and `latest` are untouched."""
     world = engine.world
     root = Path(run_dir) / "checkpoints"
     final = root / f"step_{step:06d}"
     tmp = root / f".tmp_step_{step:06d}"
-    if world.is_main:
+    try:
+        if world.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        barrier(world)
+        engine.save_checkpoint(tmp)
+        engine.save_model(tmp, tokenizer)  # so that a checkpoint is a model directory `dllm-rl eval` can load
+        if reference is not None:
+            engine.save_model(tmp / "reference", tokenizer, module=reference)
+        if world.is_main:
+            torch.save({
+                "scheduler": scheduler.state_dict(),
+                "torch_rng": torch.get_rng_state(),
+                "state": state,
+                "stage": engine.stage,
+                "world_size": world.size,
+            }, tmp / "trainer_state.pt")
+            write_manifest(tmp)
+            (tmp / MARKER).write_text(f"{step}\n")
+    except (OSError, RuntimeError) as error:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier(world)
-    engine.save_checkpoint(tmp)
-    engine.save_model(tmp, tokenizer)  # so that a checkpoint is a model directory `dllm-rl eval` can load
-    if reference is not None:
-        engine.save_model(tmp / "reference", tokenizer, module=reference)
+        free = shutil.disk_usage(root if root.is_dir() else Path(run_dir)).free / 2**30
+        raise RunStopped(f"could not write checkpoint {final.name} in {root}: {str(error).strip().splitlines()[0][:200]} "
+                         f"({free:.2f} GiB free there; a full disk shows as 'No space left on device' or 'unexpected "
+                         f"pos'). The previous checkpoint and checkpoints/latest are unchanged: make room, then resume "
+                         f"with resume={run_dir}") from error
     if world.is_main:
-        torch.save({
-            "scheduler": scheduler.state_dict(),
-            "torch_rng": torch.get_rng_state(),
-            "state": state,
-            "stage": engine.stage,
-            "world_size": world.size,
-        }, tmp / "trainer_state.pt")
-        write_manifest(tmp)
-        (tmp / MARKER).write_text(f"{step}\n")
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         _atomic_write(root / "latest", final.name + "\n")

@@ -19,6 +19,19 @@ class ConfigError(ValueError):
     """A configuration value or input that cannot be used, with a message naming it."""
 
 
+class RunStopped(RuntimeError):
+    """A run that stops for a reason outside the code (a full disk, repeated non-finite updates), with a message
+    that says what happened and what to do; the CLI prints it without a traceback and exits with `exit_code`."""
+
+    exit_code = 1
+
+
+class Interrupted(RunStopped):
+    """The user pressed Ctrl-C (SIGINT): the run stopped cleanly at the end of a step."""
+
+    exit_code = 130
+
+
 def require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)

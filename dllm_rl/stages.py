@@ -41,7 +41,7 @@ from dllm_rl.buffer import Rows, loss_inputs
 from dllm_rl.data.task import Example, Task, render_prompt
 from dllm_rl.data_parallel import DataParallel
 from dllm_rl.engine import Engine
-from dllm_rl.errors import require
+from dllm_rl.errors import RunStopped, require
 from dllm_rl.evaluate import evaluate_task
 from dllm_rl.external.mixer import local_only
 from dllm_rl.likelihood.estimators import Estimator
@@ -266,8 +266,8 @@ class Learner:
         self.bad_steps += 1
         warnings.warn(f"step {step}: non-finite loss or gradient; update skipped ({self.bad_steps} in a row: {why})")
         if self.bad_steps >= self.max_bad_steps:
-            raise RuntimeError(f"stopping: {self.bad_steps} non-finite updates in a row "
-                               f"(max_bad_steps={self.max_bad_steps})")
+            raise RunStopped(f"stopping: {self.bad_steps} non-finite updates in a row (max_bad_steps="
+                             f"{self.max_bad_steps}); lower lr, or resume from the last checkpoint")
 
 
 # ------------------------------------------------------------------------------------------ metrics

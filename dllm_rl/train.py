@@ -30,6 +30,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +47,7 @@ from dllm_rl.data.task import Task
 from dllm_rl.data_parallel import DataParallel
 from dllm_rl.engine import (Engine, World, broadcast_object, deepspeed_config, init_distributed, on_gpu,
                             partitioned_loading)
-from dllm_rl.errors import ConfigError, require
+from dllm_rl.errors import ConfigError, Interrupted, require
 from dllm_rl.external.mixer import build_mixer
 from dllm_rl.likelihood.estimators import build_estimator
 from dllm_rl.optim import lr_factor
@@ -222,45 +225,82 @@ def train(task: Task, *, saved_config: dict[str, Any] | None = None, print_fn=tq
 
 def run_steps(run: Run) -> dict[str, float]:
     """The loop: each step's stages, then metrics, samples, evaluation and checkpoint."""
-    cfg, dp, state, learner = run.cfg, run.dp, run.state, run.learner
-    if state["step"] == 0 and cfg.eval_every > 0:
+    cfg, dp, learner = run.cfg, run.dp, run.learner
+    if run.state["step"] == 0 and cfg.eval_every > 0:
         before = run.held_out()
         run.tracker.log(0, before)
         run.print_fn(console_line(0, cfg.steps, before))
     metrics: dict[str, float] = {}
     bar = progress_bar(run)
-    for step in bar:
-        timer = PhaseTimer()
-        with timer("rollout"):
-            batch = run.prompts(step)
-            batch.rows["on_policy"] = run.rollouts(batch)
-            verify(batch, run.task)
-        with timer("external"):
-            if run.external is not None:
-                run.external(batch)
-            run.advantages(batch)
-        with timer("score"):
-            dp.shard_sources(batch.rows, run.estimators)
-            run.score(batch)
-        with timer("update"):
-            update_metrics = learner.update(batch)
-        metrics = step_metrics(batch, update_metrics, timer.metrics(), dp)
-
-        done = step + 1
-        state.update(step=done, data_position=run.prompts.position, bad_steps=learner.bad_steps,
-                     external_baseline=run.mixer.baseline if run.mixer is not None else 0.0)
-        if cfg.eval_every > 0 and (done % cfg.eval_every == 0 or done == cfg.steps):
-            metrics.update(run.held_out())
-        run.tracker.log(done, metrics)
-        if cfg.sample_every > 0 and (step % cfg.sample_every == 0 or done == cfg.steps):
-            run.tracker.samples(done, sample_rows(batch, cfg.group_size))
-        run.print_fn(console_line(done, cfg.steps, metrics))
-        if cfg.checkpoint_every > 0 and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
-            synced = learner.reference.model if learner.reference is not None and cfg.ref_sync_every > 0 else None
-            save_checkpoint(run.run_dir, done, learner.engine, learner.scheduler, dict(state),
-                            keep_last=cfg.keep_checkpoints, tokenizer=run.learned.tokenizer, reference=synced)
-    bar.close()
+    with StopRequest() as stop, bar:
+        for step in bar:
+            timer = PhaseTimer()
+            with timer("rollout"):
+                batch = run.prompts(step)
+                batch.rows["on_policy"] = run.rollouts(batch)
+                verify(batch, run.task)
+            with timer("external"):
+                if run.external is not None:
+                    run.external(batch)
+                run.advantages(batch)
+            with timer("score"):
+                dp.shard_sources(batch.rows, run.estimators)
+                run.score(batch)
+            with timer("update"):
+                update_metrics = learner.update(batch)
+            metrics = step_metrics(batch, update_metrics, timer.metrics(), dp)
+            record_step(run, step, batch, metrics)
+            if dp.any(stop.requested):  # every rank stops after the same step
+                raise Interrupted(f"interrupted after step {step + 1} of {cfg.steps}; continue from its last "
+                                  f"checkpoint with resume={run.run_dir}")
     return metrics
+
+
+def record_step(run: Run, step: int, batch: StepBatch, metrics: dict[str, float]) -> None:
+    """After the update: the loop's state, held-out evaluation, the logs, the console line and, when one is due,
+    a checkpoint."""
+    cfg, state, learner, done = run.cfg, run.state, run.learner, step + 1
+    state.update(step=done, data_position=run.prompts.position, bad_steps=learner.bad_steps,
+                 external_baseline=run.mixer.baseline if run.mixer is not None else 0.0)
+    if cfg.eval_every > 0 and (done % cfg.eval_every == 0 or done == cfg.steps):
+        metrics.update(run.held_out())
+    run.tracker.log(done, metrics)
+    if cfg.sample_every > 0 and (step % cfg.sample_every == 0 or done == cfg.steps):
+        run.tracker.samples(done, sample_rows(batch, cfg.group_size))
+    run.print_fn(console_line(done, cfg.steps, metrics))
+    if cfg.checkpoint_every > 0 and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
+        synced = learner.reference.model if learner.reference is not None and cfg.ref_sync_every > 0 else None
+        save_checkpoint(run.run_dir, done, learner.engine, learner.scheduler, dict(state),
+                        keep_last=cfg.keep_checkpoints, tokenizer=run.learned.tokenizer, reference=synced)
+
+
+class StopRequest:
+    """Ctrl-C (SIGINT) asks the loop to stop at the end of the current step, after its checkpoint if one is due;
+    a second Ctrl-C stops at once. Only the main thread can catch signals; elsewhere nothing is installed."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.previous = None
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, self.handle)
+
+    def handle(self, signum, frame) -> None:
+        if self.requested:
+            self.release()
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\nstopping after this step (Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+
+    def release(self) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+            self.previous = None
+
+    def __enter__(self) -> StopRequest:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 def progress_bar(run: Run) -> tqdm:

@@ -84,3 +84,22 @@ def test_a_planted_pickle_is_refused_before_it_runs(run, saved_model, tmp_path, 
 
     assert cli.main(["export", f"checkpoint={checkpoint}", f"output_dir={tmp_path / 'out'}"]) == 2
     assert not marker.exists() and not os.path.exists(tmp_path / "out")
+
+
+def test_a_failed_checkpoint_write_names_the_directory_and_keeps_the_previous_checkpoint(run, saved_model,
+                                                                                         monkeypatch, capsys):
+    """A full disk: torch's writer fails mid-file (its message says 'unexpected pos'). The run stops with a plain
+    message; the half-written directory is gone and the previous checkpoint is still the latest."""
+    import dllm_rl.checkpoint as checkpoint_module
+    from dllm_rl.checkpoint import latest_checkpoint
+    from dllm_rl.errors import RunStopped
+
+    def full_disk(obj, path, *args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 512 vs 448")
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", full_disk)
+    with pytest.raises(RunStopped, match=r"could not write checkpoint step_000006 in .*checkpoints: .*unexpected pos.*"
+                                         r"GiB free there.*checkpoints/latest are unchanged"):
+        train(DigitShare(), model=saved_model, resume=str(run), steps=6, **SETTINGS)
+    assert latest_checkpoint(run).name == "step_000004" and resumable_checkpoint(run).name == "step_000004"
+    assert not any(p.name.startswith(".tmp") for p in (run / "checkpoints").iterdir())

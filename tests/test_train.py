@@ -156,6 +156,31 @@ def test_a_window_beyond_the_models_context_is_refused_inside_the_trainer(saved_
     assert "exceeds the model's context of 128" in capsys.readouterr().err
 
 
+@pytest.mark.slow
+def test_ctrl_c_stops_cleanly_after_the_current_step(saved_model, tmp_path):
+    """SIGINT ends the step under way (and its checkpoint), then the run stops with one line and status 130."""
+    import time
+
+    run = tmp_path / "run"
+    args = [sys.executable, "-m", "dllm_rl.cli", "train", f"model={saved_model}", f"run_dir={run}", "steps=500",
+            "checkpoint_every=1", "eval_every=0", "external=none", "prompts_per_step=2", "group_size=2",
+            "minibatch_size=4", "rollout.gen_length=16", "rollout.block_length=8", "rollout.steps=8",
+            "tensorboard=false"]
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and not (run / "checkpoints" / "latest").exists():
+        time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err[-2000:]
+    assert "Traceback" not in err
+    (line,) = [l for l in err.splitlines() if l.startswith("stopped: ")]
+    done = int(line.split("after step ")[1].split()[0])
+    assert line == f"stopped: interrupted after step {done} of 500; continue from its last checkpoint with resume={run}"
+    steps = [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, done + 1)) and latest_checkpoint(run).name == f"step_{done:06d}"
+
+
 def test_zero_variance_steps_complete_without_an_update(saved_model, tmp_path):
     # An untrained model never answers arithmetic correctly: every group's rewards are all 0.
     metrics = train(build_task("arithmetic"), model=saved_model, run_dir=str(tmp_path / "run"), steps=2, **SMALL)
@@ -204,3 +229,27 @@ def test_resume_through_the_cli_reuses_the_saved_config(saved_model, tmp_path, c
     assert cli.main(["train", f"resume={run}", "task=sudoku"]) == 2
     assert "only key=value overrides" in capsys.readouterr().err
     assert cli.main(["train", f"resume={tmp_path / 'nothing'}"]) == 2
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["deepspeed=zero2"], "a config group cannot change in a run"), (["external=none"], "a config group cannot change"),
+    (["group_size=4"], "resume: group_size was 2 in this run; 4 would change the run"),
+    (["model=elsewhere"], "resume: model was"), (["rollout.gen_length=32"], "resume: rollout.gen_length was 16"),
+    (["deepspeed.stage=2"], "resume: deepspeed.stage was 0"), (["seed=3"], "resume: seed was 0"),
+])
+def test_resume_refuses_what_would_change_the_run_unless_asked(saved_model, tmp_path, capsys, overrides, message):
+    run = tmp_path / "run"
+    base = [f"model={saved_model}", f"run_dir={run}", "task=arithmetic", "prompts_per_step=2", "group_size=2",
+            "minibatch_size=4", "rollout.gen_length=16", "rollout.block_length=8", "rollout.steps=8", "eval_every=0",
+            "tensorboard=false", "external=none", "steps=1"]
+    assert cli.main(["train", *base]) == 0
+    capsys.readouterr()
+    assert cli.main(["train", f"resume={run}", "steps=2", *overrides]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert cli.main(["train", f"resume={run / 'checkpoints' / 'step_000001'}"]) == 2
+    assert f"resume takes its run directory, resume={run}" in capsys.readouterr().err
+    if overrides == ["seed=3"]:  # asked for: applied, and recorded
+        assert cli.main(["train", f"resume={run}", "steps=2", "seed=3", "allow_changes=true"]) == 0
+        (line,) = [json.loads(l) for l in (run / "changes.jsonl").read_text().splitlines()]
+        assert line["changes"] == {"seed": [0, 3]}

@@ -52,7 +52,10 @@ def normalize(answer: str) -> str:
 
 
 def parse_number(text: str) -> Fraction | None:
-    """An exact rational for a plain number, a/b or \\frac{a}{b}; None for anything else."""
+    """An exact rational for a plain number, a/b or \\frac{a}{b}; None for anything else. Spaces around a
+    fraction's parts go, but digits separated by a space are two numbers, not one ("7 2" is not 72)."""
+    if re.search(r"[0-9]\s+[0-9]", text):
+        return None
     s = text.replace(" ", "")
     frac = _FRAC.fullmatch(s)
     if frac is None and s.count("/") == 1:

@@ -70,3 +70,9 @@ def test_sandbox_survives_a_killed_worker():
     SANDBOX._proc.kill()
     SANDBOX._proc.wait()
     assert math_equal("x+x", "2x")[0]
+
+
+@pytest.mark.parametrize("symbolic", [False, True])
+def test_digits_separated_by_a_space_are_not_one_number(symbolic):
+    assert math_equal("7 2", "72", symbolic=symbolic)[0] is False
+    assert math_equal("1 / 2", "\\frac{1}{2}", symbolic=symbolic)[0] is True  # spaces around a fraction's parts go
