@@ -3,8 +3,9 @@
 The defaults are those of `configs/train.yaml` (a test composes the YAML and compares), so a script that calls
 `train()` runs the trainer that `dllm-rl train` runs. Each field is documented in the YAML, where users read
 it. The six config groups (`rollout`, `likelihood`, `algo`, `external`, `deepspeed`, `mixing`) stay plain
-dicts: their keys depend on the option chosen (an estimator's options, an external source's), and each is
-checked where it is built (`build_estimator`, `build_mixer`, `deepspeed_config`, ...).
+dicts: their keys depend on the option chosen (an estimator's options, an external source's). `check_groups`
+checks each by name, type and range with the same functions that later build it (`build_estimator`,
+`check_sampler_settings`, `split_algo`, `MixingConfig`, ...), so a bad value fails before anything loads.
 
 A group given as a dict overrides the keys it names, as `rollout.gen_length=16` does on the command line; a
 dict with another `name` replaces the group, as `likelihood=elbo` does (the other option's YAML is not read
