@@ -46,7 +46,7 @@ from dllm_rl.checkpoint import load_trainer_state, resumable_checkpoint, save_ch
 from dllm_rl.data.task import Task
 from dllm_rl.data_parallel import DataParallel
 from dllm_rl.engine import (Engine, World, broadcast_object, deepspeed_config, init_distributed, on_gpu,
-                            partitioned_loading)
+                            partitioned_loading, roll_call, stop_together)
 from dllm_rl.errors import ConfigError, Interrupted, require
 from dllm_rl.external.mixer import build_mixer
 from dllm_rl.likelihood.estimators import build_estimator
@@ -102,6 +102,7 @@ def load_learner(cfg: TrainConfig, world: World, ds_options: dict[str, Any], che
             synced = checkpoint / "reference" if checkpoint is not None else None
             source = synced if synced is not None and synced.is_dir() else cfg.model
             reference_net = load_policy(str(source), kind=policy.kind, trust_remote_code=cfg.trust_remote_code)[0].model
+    roll_call("the end of model loading")  # before the engine's collectives
     net = policy.model.train()
     optimizer = torch.optim.AdamW(net.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -152,6 +153,7 @@ def setup(task: Task, cfg: TrainConfig, print_fn, saved_config: dict | None) -> 
                                     world))
     if world.is_main:
         writable_directory(run_dir)
+    roll_call("the run directory check")
     # rank 0 verifies the checkpoint's files (checksums, pickles) and every rank resumes from its choice
     found = resumable_checkpoint(run_dir) if cfg.resume and world.is_main else None
     checkpoint = broadcast_object(None if found is None else str(found), world) if cfg.resume else None
@@ -215,8 +217,9 @@ def train(task: Task, *, saved_config: dict[str, Any] | None = None, print_fn=tq
     keys); `saved_config`, the whole resolved config, is written to the run's config.json. Returns the last
     step's metrics, averaged over ranks."""
     cfg = TrainConfig.from_options(options)
-    run = setup(task, cfg, print_fn, saved_config)
-    metrics = run_steps(run)
+    with stop_together():  # a rank that fails tells the others which it was and why
+        run = setup(task, cfg, print_fn, saved_config)
+        metrics = run_steps(run)
     run.tracker.close()
     if run.dp.world.is_main:
         run.print_fn(run_summary(run.run_dir))

@@ -3,7 +3,8 @@
 `init_distributed` is the one way in. Under a launcher (`deepspeed`, `torchrun`) the environment already names
 RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT; a plain `dllm-rl train` gets them set here (rank 0
 of 1, a free port), so one process and many take the same code path. Collectives time out after
-`timeout_s`, so a rank that dies makes the others fail with an error instead of hanging.
+`timeout_s` (DeepSpeed's own groups too), so a rank that dies makes the others fail with an error instead of
+hanging, and `rendezvous.py` makes that error name the rank and its reason.
 
 On CPU the backend is gloo. DeepSpeed would JIT-compile its shared-memory all-reduce on first use (about a
 minute per fresh machine); gloo is enough for the CPU case, so that op is switched off unless
@@ -20,6 +21,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from dllm_rl.engine import rendezvous
+from dllm_rl.engine.rendezvous import RollCall, apply_group_timeout, open_store
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,8 @@ def on_gpu() -> bool:
 
 
 def init_distributed(timeout_s: float = 600.0) -> World:
-    """Join (or create) the default process group; returns this process's place in it."""
+    """Join (or create) the default process group; returns this process's place in it. Every rank checks in
+    at the rendezvous first, so one that never comes is named after `timeout_s` (see rendezvous.py)."""
     if dist.is_available() and dist.is_initialized():
         return World(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)))
     if not launched():
@@ -79,13 +84,27 @@ def init_distributed(timeout_s: float = 600.0) -> World:
     quiet_deepspeed()
     if os.environ.get("DLLM_RL_DS_SHM") != "1":
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    rank, size, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    timeout = datetime.timedelta(seconds=timeout_s)
+    apply_group_timeout(timeout)
+    store = open_store(rank, size, timeout)
+    global GENERATION
+    GENERATION += 1
+    roll = rendezvous.ROLL = RollCall(store, rank, size, timeout_s, GENERATION)
+    roll("the rendezvous", absent="not started, or failed before joining")
     gpu = on_gpu()
-    backend = "nccl" if gpu else "gloo"
-    deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
-                               auto_mpi_discovery=False)
+    options = {}
     if gpu:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    return World(dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(local_rank)
+        if size > 1:  # binds the group to this rank's GPU, as DeepSpeed itself does
+            options["device_id"] = torch.device("cuda", local_rank)
+    dist.init_process_group("nccl" if gpu else "gloo", store=dist.PrefixStore("default_pg", store), rank=rank,
+                            world_size=size, timeout=timeout, **options)
+    deepspeed.init_distributed(dist_backend="nccl" if gpu else "gloo", timeout=timeout, auto_mpi_discovery=False)
+    return World(rank, size, local_rank)
+
+
+GENERATION = 0  # process groups formed by this process; the ranks' counts agree
 
 
 def quiet_deepspeed() -> None:
@@ -107,6 +126,7 @@ def shutdown(clean: bool = True) -> None:
         if clean:
             dist.barrier()
         deepspeed.comm.destroy_process_group()
+    rendezvous.ROLL = None
 
 
 def barrier(world: World) -> None:

@@ -50,6 +50,13 @@ def engine_for(model: str, stage: int, world):
     return engine, policy, tokenizer
 
 
+def group_timeouts() -> list[float]:
+    """The timeout of every process group this process has (DeepSpeed's included), in seconds."""
+    import torch.distributed.distributed_c10d as c10d
+
+    return [pg._get_backend(torch.device("cpu")).options._timeout.total_seconds() for pg in c10d._world.pg_map]
+
+
 def main(out: Path, model: str, command: str, *args: str) -> None:
     world = init_distributed(timeout_s=5 if command == "hang" else 60)
     if command == "hang":  # rank 1 never joins the collective: rank 0 must fail with a timeout, not hang
@@ -59,6 +66,7 @@ def main(out: Path, model: str, command: str, *args: str) -> None:
     if command == "train":
         for stage in map(int, args):
             run_train(out, model, stage)
+        (out / f"group_timeouts_rank{world.rank}.json").write_text(json.dumps(group_timeouts()))
     elif command == "resume":  # zero3 ran 2 steps; continue to 3, and run 3 straight for comparison
         run_train(out, model, 3, steps=3, resume=True)
         straight = out / "straight"

@@ -107,6 +107,15 @@ def test_two_ranks_at_zero2_give_the_golden_numbers(runs, checksum):
     assert checksum(run / "checkpoints" / "step_000002") == pytest.approx(expected_checksum, rel=0, abs=1e-5)
 
 
+def test_deepspeed_groups_take_the_configured_timeout(runs):
+    """DeepSpeed makes its own groups with `new_group(ranks)`; they must time out after the run's timeout (60 s
+    in the worker), not torch's default of 30 minutes."""
+    _, _, two = runs
+    for rank in (0, 1):
+        timeouts = json.loads((two / f"group_timeouts_rank{rank}.json").read_text())
+        assert len(timeouts) >= 2 and set(timeouts) == {60.0}, timeouts
+
+
 def test_zero3_resume_continues_exactly(runs):
     root, _, two = runs
     launched(two, str(root / "model"), "resume")  # zero3: 2 steps + resume to 3; and 3 steps straight
