@@ -43,7 +43,7 @@ from tqdm import tqdm
 
 from dllm_rl.buffer import Rows
 from dllm_rl.checkpoint import load_trainer_state, resumable_checkpoint, save_checkpoint
-from dllm_rl.data.task import Task
+from dllm_rl.data.task import Task, describe_splits
 from dllm_rl.data_parallel import DataParallel
 from dllm_rl.engine import (Engine, World, broadcast_object, deepspeed_config, init_distributed, on_gpu,
                             partitioned_loading, roll_call, stop_together)
@@ -146,8 +146,11 @@ def setup(task: Task, cfg: TrainConfig, print_fn, saved_config: dict | None) -> 
     ds_options, timeout_s = engine_options(cfg.deepspeed)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=resolve_bf16(cfg.bf16))
     require_cpu_accelerator()
+    splits = describe_splits(task, needed=("train", "test") if cfg.eval_every > 0 else ("train",))
     world = init_distributed(timeout_s)  # rank 0 of 1 without a launcher
     print_fn = print_fn if world.is_main else (lambda *_: None)
+    if splits:
+        print_fn(splits)
     dp = DataParallel(world, cfg.prompts_per_step, cfg.group_size, cfg.minibatch_size)
     run_dir = Path(broadcast_object(str(cfg.resume or cfg.run_dir or time.strftime(f"runs/{task.name}-%Y%m%d-%H%M%S")),
                                     world))

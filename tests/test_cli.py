@@ -138,7 +138,8 @@ def test_sft_command_saves_a_model_that_loads(saved_dllm, tmp_path):
     "args, message",
     [
         (["eval", "model=/nonexistent"], "model='/nonexistent': expected a local model directory"),
-        (["sft", "task=gsm8k", "task.test_file=x", "model=SAVED"], "task.test_file='x': no such file"),
+        (["sft", "task=gsm8k", "task.train_file=x", "model=SAVED"], "task.train_file='x': no such file"),
+        (["sft", "task=gsm8k", "task.test_file=x", "model=SAVED"], "gsm8k: there is no train split"),
         (["eval", "rollout.block_length=5", "model=SAVED"], "gen_length=64 must be a multiple of block_length=5"),
         (["eval", "rollout=fast"], "Could not find 'rollout/fast'"),
     ],
@@ -152,3 +153,21 @@ def test_model_commands_reject_bad_input(args, message, capsys, saved_dllm):
 def test_a_missing_mandatory_value_is_named(capsys):
     assert cli.main(["train", "external=jsonl"]) == 2
     assert "external.path has no value (the config says ???); set it with external.path=..." in capsys.readouterr().err
+
+
+def test_file_splits_are_said_and_checked_before_loading(saved_dllm, fixtures, tmp_path, capsys):
+    """`eval` with only a test file scores all of it (num_prompts=null) and says so; `train` with only a train
+    file and held-out evaluation on stops before loading, saying how to get a test split."""
+    out = tmp_path / "eval"
+    assert cli.main(["eval", f"model={saved_dllm}", "task=gsm8k", f"task.test_file={fixtures / 'gsm8k_test.jsonl'}",
+                     "num_prompts=null", "task.prompt_style=compact", "chat=false", "rollout.gen_length=16",
+                     "rollout.block_length=16", "rollout.steps=4",
+                     f"output_dir={out}"]) == 0
+    assert "gsm8k: task.test_file is the whole test split (2 problems)" in capsys.readouterr().out
+    assert json.loads((out / "summary.json").read_text())["tasks"]["gsm8k"]["num_prompts"] == 2
+    run = tmp_path / "run"
+    assert cli.main(["train", f"model={saved_dllm}", "task=gsm8k", f"run_dir={run}",
+                     f"task.train_file={fixtures / 'gsm8k_train.jsonl'}"]) == 2
+    err = capsys.readouterr().err
+    assert "gsm8k: there is no test split: only task.train_file is set" in err and "eval_every=0" in err, err
+    assert not run.exists()

@@ -3,9 +3,14 @@
 - GSM8K rows: `question`, `answer` = worked solution ending in `#### N` (the reference is N, commas removed).
 - MATH500 rows: `problem`, `solution`, `answer` (plus `subject`, `level`, `unique_id` when present).
 
-Files may be JSON Lines, JSON, Parquet or CSV. With both `train_file` and `test_file` the files are the
-splits, and any train problem that also appears in the test file is dropped (so the splits never overlap);
-with one file, problems are split by a hash of their text with `test_fraction`. Nothing is downloaded.
+Files may be JSON Lines, JSON, Parquet or CSV. Nothing is downloaded. The split rule (`split_rule`):
+- both `train_file` and `test_file`: the files are the splits, and a train problem that also appears in the test
+  file is dropped (so the splits never overlap);
+- one file: it is that whole split, and asking for the other split is a named error (`dllm-rl eval
+  task.test_file=test.jsonl` scores the whole test set);
+- one file and `test_fraction`: the file serves both splits, split by a hash of each problem's text; only when
+  the user asks for it, so no file is silently cut.
+`describe_splits()` says which rule applies and how many problems each split has; train and eval print it.
 These tasks have no exact solver; the worked solution is kept in `meta["solution"]`.
 """
 
@@ -69,7 +74,7 @@ class FileTask:
     name: str = "gsm8k"
     train_file: str | None = None
     test_file: str | None = None
-    test_fraction: float = 0.1
+    test_fraction: float | None = None  # with one file: hash-split it into both splits (see the module docstring)
     prompt_style: str = "d1"
     format_weight: float = 0.0
     symbolic_timeout_s: float = 3.0
@@ -79,27 +84,68 @@ class FileTask:
         require(self.train_file or self.test_file,
                 f"task {self.name!r} reads local files: set task.train_file and/or task.test_file "
                 f"(columns {list(FORMATS[self.name][0])})")
-        check_common("train", None, self.test_fraction, self.prompt_style)
+        require(not (self.train_file and self.test_file and self.test_fraction is not None),
+                f"task.test_fraction={self.test_fraction!r} with both task.train_file and task.test_file: the files "
+                f"are the splits; unset task.test_fraction (or give one file to hash-split)")
+        check_common("train", None, self.test_fraction, self.prompt_style, fraction_optional=True)
+
+    @property
+    def split_rule(self) -> str:
+        """"files" (each file is its split), "one file" (the file is its split, there is no other) or "hash"."""
+        if self.train_file and self.test_file:
+            return "files"
+        return "one file" if self.test_fraction is None else "hash"
+
+    def _read(self, split: str) -> list[Example]:
+        columns, make = FORMATS[self.name]
+        path, key = (self.train_file, "task.train_file") if split == "train" else (self.test_file, "task.test_file")
+        rows = [make(row, i, path) for i, row in enumerate(load_rows(path, columns, key))]
+        return list({ex.uid: ex for ex in rows}.values())  # drop duplicate problems
 
     def _split_rows(self, split: str) -> list[Example]:
-        columns, make = FORMATS[self.name]
-
-        def read(path: str, key: str) -> list[Example]:
-            return [make(row, i, path) for i, row in enumerate(load_rows(path, columns, key))]
-
-        if self.train_file and self.test_file:
-            test = read(self.test_file, "task.test_file")
+        if self.split_rule == "files":
+            test = self._read("test")
             if split == "test":
                 return test
             held_out = {ex.uid for ex in test}
-            return [ex for ex in read(self.train_file, "task.train_file") if ex.uid not in held_out]
-        key = "task.train_file" if self.train_file else "task.test_file"
-        rows = read(self.train_file or self.test_file, key)
-        return [ex for ex in rows if in_test_split(self.name, ex.uid, self.test_fraction) == (split == "test")]
+            return [ex for ex in self._read("train") if ex.uid not in held_out]
+        given = "train" if self.train_file else "test"
+        if self.split_rule == "one file":
+            self.check_split(split)
+            return self._read(given)
+        test = split == "test"
+        return [ex for ex in self._read(given) if in_test_split(self.name, ex.uid, self.test_fraction) == test]
+
+    def check_split(self, split: str) -> None:
+        """A named error when the files give no `split` (one file, no test_fraction, and it is the other split)."""
+        given = "train" if self.train_file else "test"
+        other = "test" if given == "train" else "train"
+        require(self.split_rule != "one file" or split == given,
+                f"{self.name}: there is no {split} split: only task.{given}_file is set, and it is the whole {given} "
+                f"split; set task.{other}_file, or task.test_fraction (e.g. 0.1) to hash-split task.{given}_file "
+                f"into both" + (", or eval_every=0 to train without held-out evaluation" if given == "train" else ""))
+
+    def describe_splits(self, needed: tuple[str, ...] = ()) -> str:
+        """Which split rule applies and how many problems each split has (reads the files); a named error when
+        a split in `needed` does not exist."""
+        for split in needed:
+            self.check_split(split)
+        if self.split_rule == "files":
+            train, test = self._split_rows("train"), self._split_rows("test")
+            dropped = len(self._read("train")) - len(train)
+            return (f"{self.name}: the files are the splits: train {len(train)} problems from task.train_file"
+                    f"{f' ({dropped} also in task.test_file dropped)' if dropped else ''}, test {len(test)} from "
+                    f"task.test_file")
+        given = "train" if self.train_file else "test"
+        if self.split_rule == "one file":
+            return f"{self.name}: task.{given}_file is the whole {given} split ({len(self._read(given))} problems)"
+        train, test = self._split_rows("train"), self._split_rows("test")
+        return (f"{self.name}: task.{given}_file hash-split with task.test_fraction={self.test_fraction:g}: train "
+                f"{len(train)} problems, test {len(test)}")
 
     def examples(self, split: str, n: int | None, seed: int) -> list[Example]:
-        check_common(split, n, self.test_fraction, self.prompt_style)
-        rows = list({ex.uid: ex for ex in self._split_rows(split)}.values())  # drop duplicate problems
+        check_common(split, n, self.test_fraction, self.prompt_style, fraction_optional=True)
+        rows = self._split_rows(split)
         if n is None:
             return rows
         require(n <= len(rows), f"n={n} but the {split} split of {self.name!r} has only {len(rows)} problems")

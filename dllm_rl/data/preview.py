@@ -11,7 +11,7 @@ import time
 
 from tqdm import tqdm
 
-from dllm_rl.data.task import Solution, Task, render_completion, render_prompt
+from dllm_rl.data.task import Solution, Task, describe_splits, render_completion, render_prompt
 from dllm_rl.errors import require
 
 
@@ -20,6 +20,9 @@ def preview_tasks(task: Task, n: int = 3, split: str = "train", seed: int = 0, c
     """Print `n` examples of `task` and score `check` more; returns the summary as a dict."""
     require(isinstance(check, int) and check >= 0, f"check must be a non-negative integer, got {check!r}")
     require(isinstance(n, int) and n >= 1, f"n must be a positive integer, got {n!r}")
+    note = describe_splits(task, needed=(split,))
+    if note:
+        print_fn(note)
     start = time.perf_counter()
     shown = task.examples(split, n, seed)
     for i, ex in enumerate(shown):

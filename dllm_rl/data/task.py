@@ -7,7 +7,8 @@ and for hindsight relabelling).
 
 Splits: an example belongs to the test split when a hash of its canonical key (`uid`) falls below
 `test_fraction`. The rule depends on nothing but the key, so train and test never share a problem, whatever
-seeds or sizes are asked for. This module imports no torch.
+seeds or sizes are asked for. (Tasks read from files use the files as splits; see math_tasks.py.) A task may
+say which rule it uses with `describe_splits()`, which the commands print. This module imports no torch.
 """
 
 from __future__ import annotations
@@ -80,12 +81,16 @@ def in_test_split(task_name: str, uid: str, test_fraction: float) -> bool:
     return int.from_bytes(digest, "big") / 2**64 < test_fraction
 
 
-def check_common(split: str, n: int | None, test_fraction: float, prompt_style: str) -> None:
+def check_common(split: str, n: int | None, test_fraction: float | None, prompt_style: str,
+                 fraction_optional: bool = False) -> None:
+    """The arguments every task checks; `test_fraction` may be None only where `fraction_optional` (file tasks)."""
     require(split in SPLITS, f"split must be one of {SPLITS}, got {split!r}")
     require(n is None or (isinstance(n, int) and n > 0), f"n must be a positive integer, got {n!r}")
     require(
-        isinstance(test_fraction, (int, float)) and 0.0 < test_fraction < 1.0,
-        f"test_fraction must be in (0, 1), got {test_fraction!r}",
+        (fraction_optional and test_fraction is None)
+        or (isinstance(test_fraction, (int, float)) and not isinstance(test_fraction, bool)
+            and 0.0 < test_fraction < 1.0),
+        f"test_fraction must be in (0, 1){' or null' if fraction_optional else ''}, got {test_fraction!r}",
     )
     require(prompt_style in PROMPT_STYLES, f"prompt_style must be one of {PROMPT_STYLES}, got {prompt_style!r}")
 
@@ -125,6 +130,13 @@ def sample_unique(
     )
 
 
+def describe_splits(task: Task, needed: tuple[str, ...] = ()) -> str | None:
+    """The task's line on its split rule and sizes (None for a task that does not say), after checking that the
+    splits in `needed` exist (a named error otherwise)."""
+    describe = getattr(task, "describe_splits", None)
+    return None if describe is None else describe(needed)
+
+
 class GeneratedTask:
     """What the procedurally generated tasks (Sudoku, Countdown, arithmetic) share. A subclass is a frozen
     dataclass with the fields `test_fraction` and `prompt_style`, a `name`, and the methods `draw(rng)` (one
@@ -137,6 +149,10 @@ class GeneratedTask:
 
     def check_style(self) -> None:
         check_common("train", None, self.test_fraction, self.prompt_style)
+
+    def describe_splits(self, needed: tuple[str, ...] = ()) -> str:
+        return (f"{self.name}: generated problems, split by a hash of each problem with "
+                f"task.test_fraction={self.test_fraction:g}")
 
     def examples(self, split: str, n: int | None, seed: int) -> list[Example]:
         """`n` distinct examples of `split` (1000 when n is None), the same for the same seed."""

@@ -85,7 +85,7 @@ class RollCall:
         self.hosting = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
         self.calls = 0
 
-    def __call__(self, point: str, absent: str = "stopped without a word: killed, out of memory, or still busy") -> None:
+    def __call__(self, point: str, absent: str = "stopped without a word: killed, out of memory, or busy") -> None:
         """Return when every rank has reached `point`; raise `RankFailed` naming the ranks that failed, or
         that have not come within the timeout (`absent`: what that may mean)."""
         if self.size == 1:

@@ -34,11 +34,34 @@ def test_gsm8k_reward(fixtures, completion, correct):
     assert task.reward(completion, ex).correct is correct
 
 
-def test_one_file_is_hash_split(fixtures):
+def test_one_file_is_hash_split_only_when_test_fraction_asks(fixtures):
     task = build_task("gsm8k", train_file=str(fixtures / "gsm8k_train.jsonl"), test_fraction=0.5)
     train, test = task.examples("train", None, 0), task.examples("test", None, 0)
-    assert len(train) + len(test) == 4
+    assert len(train) + len(test) == 4 and train and test
     assert not {ex.uid for ex in train} & {ex.uid for ex in test}
+    assert task.describe_splits() == (f"gsm8k: task.train_file hash-split with task.test_fraction=0.5: train "
+                                      f"{len(train)} problems, test {len(test)}")
+
+
+def test_a_file_given_for_one_split_is_that_whole_split(fixtures):
+    """Only a test file (GSM8K's or MATH500's test set): every problem is scored, and there is no train split;
+    only a train file: every problem trains, none is held back."""
+    only_test = build_task("math500", test_file=str(fixtures / "math500_test.jsonl"))
+    assert len(only_test.examples("test", None, 0)) == 6
+    assert only_test.describe_splits(("test",)) == "math500: task.test_file is the whole test split (6 problems)"
+    with pytest.raises(ConfigError, match="math500: there is no train split: only task.test_file is set"):
+        only_test.examples("train", 1, 0)
+    with pytest.raises(ConfigError, match="there is no train split"):
+        only_test.describe_splits(("train", "test"))
+    only_train = build_task("gsm8k", train_file=str(fixtures / "gsm8k_train.jsonl"))
+    assert len(only_train.examples("train", None, 0)) == 4
+    with pytest.raises(ConfigError, match="there is no test split.*task.test_fraction.*or eval_every=0"):
+        only_train.examples("test", None, 0)
+    assert gsm8k(fixtures).describe_splits(("train", "test")) == (
+        "gsm8k: the files are the splits: train 3 problems from task.train_file (1 also in task.test_file dropped), "
+        "test 2 from task.test_file")
+    with pytest.raises(ConfigError, match="task.test_fraction=0.1 with both task.train_file and task.test_file"):
+        gsm8k(fixtures, test_fraction=0.1)
 
 
 def test_sampling_n_is_deterministic(fixtures):
