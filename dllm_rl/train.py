@@ -42,7 +42,7 @@ import torch
 from tqdm import tqdm
 
 from dllm_rl.buffer import Rows
-from dllm_rl.checkpoint import load_trainer_state, resumable_checkpoint, save_checkpoint
+from dllm_rl.checkpoint import complete_checkpoints, load_trainer_state, resumable_checkpoint, save_checkpoint
 from dllm_rl.data.task import Task, describe_splits
 from dllm_rl.data_parallel import DataParallel
 from dllm_rl.engine import (Engine, World, broadcast_object, deepspeed_config, init_distributed, on_gpu,
@@ -68,6 +68,34 @@ def writable_directory(path: Path) -> None:
         probe.unlink()
     except OSError as error:
         raise ConfigError(f"run_dir={str(path)!r}: cannot write there ({error.strerror or error})") from None
+
+
+def holds_run(path: Path) -> bool:
+    """Whether a run has logged a step or saved a checkpoint in `path`."""
+    metrics = path / "metrics.jsonl"
+    return (metrics.is_file() and metrics.stat().st_size > 0) or bool(complete_checkpoints(path))
+
+
+def starting_point(cfg: TrainConfig, task: Task, world: World) -> tuple[Path, Path | None]:
+    """(the run directory, the checkpoint to resume from or None). Rank 0 decides: it checks the directory (a
+    new run never appends to an old one) and verifies the checkpoint's files (checksums, pickles); every rank
+    takes its choice. `resume` of a run that stopped before its first checkpoint starts it again."""
+    chosen = None
+    if world.is_main:
+        run_dir = Path(cfg.resume or cfg.run_dir or time.strftime(f"runs/{task.name}-%Y%m%d-%H%M%S"))
+        writable_directory(run_dir)
+        checkpoint = None
+        if cfg.resume is None:
+            require(not holds_run(run_dir), f"run_dir={str(run_dir)!r} holds a run already (its metrics.jsonl or "
+                    f"checkpoints); continue it with resume={run_dir}, or choose another run_dir")
+        else:
+            checkpoint = resumable_checkpoint(run_dir)
+            require(checkpoint is not None or not complete_checkpoints(run_dir),
+                    f"resume={cfg.resume!r}: no complete, intact checkpoint in {run_dir}/checkpoints")
+        chosen = (str(run_dir), None if checkpoint is None else str(checkpoint))
+    roll_call("the run directory check")
+    run_dir, checkpoint = broadcast_object(chosen, world)
+    return Path(run_dir), None if checkpoint is None else Path(checkpoint)
 
 
 def require_cpu_accelerator() -> None:
@@ -152,17 +180,10 @@ def setup(task: Task, cfg: TrainConfig, print_fn, saved_config: dict | None) -> 
     if splits:
         print_fn(splits)
     dp = DataParallel(world, cfg.prompts_per_step, cfg.group_size, cfg.minibatch_size)
-    run_dir = Path(broadcast_object(str(cfg.resume or cfg.run_dir or time.strftime(f"runs/{task.name}-%Y%m%d-%H%M%S")),
-                                    world))
-    if world.is_main:
-        writable_directory(run_dir)
-    roll_call("the run directory check")
-    # rank 0 verifies the checkpoint's files (checksums, pickles) and every rank resumes from its choice
-    found = resumable_checkpoint(run_dir) if cfg.resume and world.is_main else None
-    checkpoint = broadcast_object(None if found is None else str(found), world) if cfg.resume else None
-    checkpoint = None if checkpoint is None else Path(checkpoint)
-    require(cfg.resume is None or checkpoint is not None,
-            f"resume={cfg.resume!r}: no complete, intact checkpoint in {run_dir}/checkpoints")
+    run_dir, checkpoint = starting_point(cfg, task, world)
+    restart = cfg.resume is not None and checkpoint is None  # stopped before its first checkpoint
+    if restart:
+        print_fn(f"resume: {run_dir} has no checkpoint yet (it stopped before its first); starting it again")
     learned = load_learner(cfg, world, ds_options, checkpoint, with_reference=loss_options.get("beta", 0.0) > 0)
     require(not (dp.pads and learned.engine.stage == 3 and mixer is not None and mixer.config.length_rule == "none"),
             f"mixing.length_rule=none with deepspeed stage 3 on {world.size} ranks: a rank without external rows "
@@ -172,7 +193,7 @@ def setup(task: Task, cfg: TrainConfig, print_fn, saved_config: dict | None) -> 
     if checkpoint is not None:
         state = {**state, **load_trainer_state(checkpoint, learned.engine, learned.scheduler)}
         print_fn(f"resumed from {checkpoint} at step {state['step']}")
-    resumed_at = state["step"] if checkpoint is not None else None  # the logs are cut back to it
+    resumed_at = state["step"] if checkpoint is not None else (-1 if restart else None)  # logs are cut back to it
     tracker = Tracker(run_dir, cfg.tensorboard, resume_step=resumed_at) if world.is_main else NullTracker()
     if checkpoint is None and saved_config is not None and world.is_main:
         (run_dir / "config.json").write_text(json.dumps(saved_config, indent=2) + "\n")

@@ -253,3 +253,15 @@ def test_resume_refuses_what_would_change_the_run_unless_asked(saved_model, tmp_
         assert cli.main(["train", f"resume={run}", "steps=2", "seed=3", "allow_changes=true"]) == 0
         (line,) = [json.loads(l) for l in (run / "changes.jsonl").read_text().splitlines()]
         assert line["changes"] == {"seed": [0, 3]}
+
+
+def test_a_new_run_never_appends_to_an_old_one(saved_model, tmp_path):
+    """A fresh run into a directory that holds a run is refused (its logs would interleave); `resume` of a run
+    that stopped before its first checkpoint starts it again with clean logs."""
+    run = tmp_path / "run"
+    train(DigitShare(), model=saved_model, run_dir=str(run), steps=1, checkpoint_every=0, **SMALL)
+    with pytest.raises(ConfigError, match=f"run_dir='{run}' holds a run already.*resume={run}"):
+        train(DigitShare(), model=saved_model, run_dir=str(run), steps=1, checkpoint_every=0, **SMALL)
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1]
+    train(DigitShare(), model=saved_model, resume=str(run), steps=2, checkpoint_every=0, **SMALL)
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
