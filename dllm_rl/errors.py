@@ -115,6 +115,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "non_negative": (lambda v: _number(v) and v >= 0, "a finite number >= 0"),
     "at_least_1": (lambda v: _number(v) and v >= 1, "a number >= 1"),
     "probability": (lambda v: _number(v) and 0 <= v <= 1, "a probability in [0, 1]"),
+    "probability_below_1": (lambda v: _number(v) and 0 <= v < 1, "a number in [0, 1)"),
     "open_unit": (lambda v: _number(v) and 0 < v < 1, "a number strictly between 0 and 1"),
     "finite": (_number, "a finite number"),
 }

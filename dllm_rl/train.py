@@ -52,7 +52,9 @@ from dllm_rl.external.mixer import build_mixer
 from dllm_rl.likelihood.estimators import build_estimator
 from dllm_rl.optim import lr_factor
 from dllm_rl.policy.adapters import hidden_size_of, load_policy
+from dllm_rl.policy.lora import AdapterOff, add_adapters, enable_gradient_checkpointing, trainable_parameters
 from dllm_rl.precision import resolve_bf16
+from dllm_rl.seeds import derive_seed
 from dllm_rl.rollout.generate import TextGenerator
 from dllm_rl.stages import (ExternalRollouts, HeldOut, InProcessRollouts, Learner, PromptSource, StepBatch,
                             assign_advantages, inference, sample_rows, score_old_and_reference, step_metrics, verify)
@@ -118,26 +120,36 @@ class Learned:
 
 def load_learner(cfg: TrainConfig, world: World, ds_options: dict[str, Any], checkpoint: Path | None,
                  with_reference: bool) -> Learned:
-    """Policy, reference (beta > 0: the starting policy, or the checkpoint's synced copy), AdamW, the LR schedule
-    and the DeepSpeed engine; ZeRO-3 loads both models partitioned."""
+    """Policy, reference (beta > 0: the starting policy, or the checkpoint's synced copy; with LoRA the policy's
+    own network with the adapter off), AdamW over what trains, the LR schedule and the DeepSpeed engine; ZeRO-3
+    loads both models partitioned."""
     ds_config = deepspeed_config(**ds_options, grad_clip=cfg.grad_clip, world_size=world.size,
                                  micro_batch_size=-(-cfg.minibatch_size // world.size),
                                  hidden_size=hidden_size_of(cfg.model))
+    lora = cfg.lora["r"] > 0
     with partitioned_loading(ds_config):
         policy, tokenizer = load_policy(cfg.model, trust_remote_code=cfg.trust_remote_code)
         reference_net = None
-        if with_reference:
+        if with_reference and not lora:
             synced = checkpoint / "reference" if checkpoint is not None else None
             source = synced if synced is not None and synced.is_dir() else cfg.model
             reference_net = load_policy(str(source), kind=policy.kind, trust_remote_code=cfg.trust_remote_code)[0].model
     roll_call("the end of model loading")  # before the engine's collectives
     net = policy.model.train()
-    optimizer = torch.optim.AdamW(net.parameters(), lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
+    if cfg.gradient_checkpointing:
+        enable_gradient_checkpointing(net)
+    if lora:
+        net = add_adapters(net, cfg.lora, base_path=cfg.model, seed=derive_seed(cfg.seed, "lora"))
+    optimizer = torch.optim.AdamW(trainable_parameters(net), lr=cfg.lr, betas=(0.9, 0.99),
+                                  weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, cfg.steps, cfg.lr_schedule, cfg.warmup))
     engine = Engine(net, optimizer, world, ds_config)
     policy = dataclasses.replace(policy, model=engine.ds)
-    reference = None if reference_net is None else dataclasses.replace(policy, model=engine.reference(reference_net))
+    reference = None
+    if with_reference:
+        reference_model = AdapterOff(engine.ds) if lora else engine.reference(reference_net)
+        reference = dataclasses.replace(policy, model=reference_model)
     return Learned(engine, policy, reference, tokenizer, scheduler, net)
 
 

@@ -2,7 +2,7 @@
 
 The defaults are those of `configs/train.yaml` (a test composes the YAML and compares), so a script that calls
 `train()` runs the trainer that `dllm-rl train` runs. Each field is documented in the YAML, where users read
-it. The six config groups (`rollout`, `likelihood`, `algo`, `external`, `deepspeed`, `mixing`) stay plain
+it. The seven config groups (`rollout`, `likelihood`, `algo`, `external`, `deepspeed`, `mixing`, `lora`) stay plain
 dicts: their keys depend on the option chosen (an estimator's options, an external source's). `check_groups`
 checks each by name, type and range with the same functions that later build it (`build_estimator`,
 `check_sampler_settings`, `split_algo`, `MixingConfig`, ...), so a bad value fails before anything loads.
@@ -27,6 +27,7 @@ from dllm_rl.external.mixer import MixingConfig, external_likelihood
 from dllm_rl.external.sources import check_source_options
 from dllm_rl.likelihood.estimators import build_estimator
 from dllm_rl.optim import LR_SCHEDULES
+from dllm_rl.policy.lora import LORA_DEFAULTS, check_lora
 from dllm_rl.rollout.sampler import check_sampler_settings
 
 # The default option of each config group: configs/<group>/<option>.yaml, as configs/train.yaml picks them.
@@ -40,6 +41,7 @@ GROUP_DEFAULTS: dict[str, dict[str, Any]] = {
     "deepspeed": {"name": "zero0", "stage": 0, "bf16": False, "offload_optimizer": "none", "offload_params": "none",
                   "timeout_s": 600},
     "mixing": dataclasses.asdict(MixingConfig()),
+    "lora": dict(LORA_DEFAULTS),
 }
 
 
@@ -75,12 +77,14 @@ class TrainConfig:
     ref_sync_every: int = 0
     max_bad_steps: int = 5
     tensorboard: bool = True
+    gradient_checkpointing: bool = False
     rollout: dict[str, Any] = _group("rollout")
     likelihood: dict[str, Any] = _group("likelihood")
     algo: dict[str, Any] = _group("algo")
     external: dict[str, Any] = _group("external")
     deepspeed: dict[str, Any] = _group("deepspeed")
     mixing: dict[str, Any] = _group("mixing")
+    lora: dict[str, Any] = _group("lora")
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> TrainConfig:
@@ -122,6 +126,10 @@ class TrainConfig:
         estimator = build_estimator(self.likelihood)
         split_algo(self.algo)
         engine_options(self.deepspeed)
+        self.lora = check_lora(self.lora)
+        require(not (self.lora["r"] > 0 and self.ref_sync_every > 0),
+                f"ref_sync_every={self.ref_sync_every} with lora.r={self.lora['r']}: with LoRA the reference is the "
+                f"base model (the adapter switched off), which never moves; set ref_sync_every=0")
         source = {k: v for k, v in self.external.items() if k != "name"}
         if self.external.get("name") != "none":
             check_source_options(self.external.get("name"), source)

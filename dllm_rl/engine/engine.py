@@ -47,6 +47,8 @@ class Engine:
 
         self.world, self.config = world, config
         self.stage = config["zero_optimization"]["stage"]
+        # a frozen base (LoRA): checkpoints hold the trained parameters only; the base comes from the model path
+        self.frozen = any(not p.requires_grad for p in model.parameters())
         self.ds, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
 
     @property
@@ -134,17 +136,18 @@ class Engine:
 
     def save_checkpoint(self, directory: Path) -> None:
         """DeepSpeed's states (module, optimizer partitions) under directory/deepspeed; every rank calls it."""
-        self.ds.save_checkpoint(str(directory), tag=CHECKPOINT_TAG, save_latest=False)
+        self.ds.save_checkpoint(str(directory), tag=CHECKPOINT_TAG, save_latest=False,
+                                exclude_frozen_parameters=self.frozen)
 
     def load_checkpoint(self, directory: Path) -> None:
         path, _ = self.ds.load_checkpoint(str(directory), tag=CHECKPOINT_TAG, load_optimizer_states=True,
-                                          load_lr_scheduler_states=False)
+                                          load_lr_scheduler_states=False, load_module_strict=not self.frozen)
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed states under {directory}/{CHECKPOINT_TAG}")
 
     def save_model(self, directory: Path, tokenizer=None, module: torch.nn.Module | None = None) -> None:
         """A Hugging Face model directory of the full weights of the policy (or of `module`, e.g. the reference),
-        written by rank 0; every rank calls it."""
+        written by rank 0; every rank calls it. A LoRA policy writes its adapter only (peft's format)."""
         module = self.module if module is None else getattr(module, "module", module)
         with gather_parameters(module, self.stage):
             if self.world.is_main:

@@ -3,7 +3,8 @@
 At ZeRO >= 1 the fp32 master weights live in per-rank optimizer shards; DeepSpeed's `zero_to_fp32` joins them
 (on one CPU process, no launcher). At stage 0 the module states hold the whole model. The weights are
 loaded into a model built from the checkpoint's config and saved with its tokenizer, so the result loads
-with `from_pretrained` (and `dllm-rl eval model=...`) anywhere.
+with `from_pretrained` (and `dllm-rl eval model=...`) anywhere. A LoRA checkpoint holds its adapter only: the
+base model it names is loaded and the adapter merged into it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from dllm_rl.checkpoint import latest_checkpoint, vet_pickles
 from dllm_rl.data.tokenizers import load_tokenizer
 from dllm_rl.engine.engine import CHECKPOINT_TAG
 from dllm_rl.errors import ConfigError, require
-from dllm_rl.policy.adapters import MODEL_TYPES, REMOTE_CODE_KINDS, read_config, require_consent
+from dllm_rl.policy.adapters import MODEL_TYPES, REMOTE_CODE_KINDS, load_policy, read_config, require_consent
+from dllm_rl.policy.lora import adapter_base
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -49,6 +51,10 @@ def export_checkpoint(checkpoint: str, output_dir: str, trust_remote_code: bool 
     source, out = resolve_checkpoint(checkpoint), Path(output_dir)
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"output_dir={output_dir!r} exists and is not empty; choose a new directory")
+    if adapter_base(source) is not None:  # LoRA: the base model with the checkpoint's adapter merged in
+        policy, tokenizer = load_policy(str(source), trust_remote_code=trust_remote_code)
+        return publish(out, policy.model, tokenizer, f"exported {source} (base {adapter_base(source)} with its LoRA "
+                       f"adapter merged) to {out}", print_fn)
     kind = MODEL_TYPES.get(str(read_config(str(source), "checkpoint").get("model_type", "")).lower(), "other")
     require_consent(str(source), kind, trust_remote_code, key="checkpoint")
     remote = kind in REMOTE_CODE_KINDS
@@ -61,12 +67,19 @@ def export_checkpoint(checkpoint: str, output_dir: str, trust_remote_code: bool 
     if set(missing) - tied or unexpected:
         raise ConfigError(f"{source}: the consolidated weights do not fit the model of its config.json "
                           f"(missing {sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]})")
+    tokenizer = load_tokenizer(str(source), "checkpoint", trust_remote_code=remote)
+    return publish(out, model, tokenizer, f"exported {source} ({sum(t.numel() for t in state.values()) / 1e6:.2f}M "
+                   f"parameters) to {out}", print_fn)
+
+
+def publish(out: Path, model, tokenizer, message: str, print_fn) -> Path:
+    """Save `model` and `tokenizer` under a temporary name, then rename it to `out` (never half a directory)."""
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
-    load_tokenizer(str(source), "checkpoint", trust_remote_code=remote).save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
     if out.exists():
         out.rmdir()
     tmp.rename(out)
-    print_fn(f"exported {source} ({sum(t.numel() for t in state.values()) / 1e6:.2f}M parameters) to {out}")
+    print_fn(message)
     return out

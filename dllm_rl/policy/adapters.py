@@ -16,7 +16,8 @@ assumes of a checkpoint:
   `config.mask_token_id` (151666), else the tokenizer's.
 
 `kind="auto"` reads `model_type` from config.json as plain JSON ("dllm_rl_diffusion_lm", "llada",
-"Dream"/"dream"), so no code runs to find out what a directory holds.
+"Dream"/"dream"), so no code runs to find out what a directory holds. A directory holding a LoRA adapter
+(`adapter_config.json`, as a LoRA training checkpoint does) loads as its base model with the adapter merged.
 
 Remote code only with consent: LLaDA and Dream ship their modeling code inside the checkpoint (config.json's
 `auto_map`), and loading them runs that code. `load_policy` does so only with `trust_remote_code=True` (the
@@ -155,7 +156,11 @@ def wrap_model(model, kind: str, tokenizer=None) -> DiffusionPolicy:
 
 def hidden_size_of(path: str) -> int | None:
     """The width of a checkpoint's residual stream from its config.json (`hidden_size`; LLaDA's `d_model`),
-    without importing its code; None when the file or the field is missing."""
+    without importing its code (an adapter directory's: its base model's); None when the file or the field is
+    missing."""
+    from dllm_rl.policy.lora import adapter_base
+
+    path = adapter_base(path) or path
     config_file = Path(path).expanduser() / "config.json"
     if not config_file.is_file():
         return None
@@ -168,6 +173,14 @@ def load_policy(path: str, kind: str = "auto", dtype: str = "float32", device: s
     """(policy, tokenizer) from a local checkpoint directory; never downloads. A LLaDA or Dream checkpoint runs
     its own code, so it needs `trust_remote_code=True` (see the module docstring)."""
     require(Path(path).expanduser().is_dir(), f"model path {path!r}: expected a local model directory")
+    from dllm_rl.policy.lora import adapter_base, merged_with_adapter
+
+    base = adapter_base(path)
+    if base is not None:  # a LoRA checkpoint: its base model with the adapter merged in
+        policy, tokenizer = load_policy(base, kind, dtype, device, trust_remote_code)
+        if (Path(path).expanduser() / "tokenizer_config.json").is_file():
+            tokenizer = load_tokenizer(path, "model", trust_remote_code=policy.kind in REMOTE_CODE_KINDS)
+        return wrap_model(merged_with_adapter(policy.model, path).eval(), policy.kind, tokenizer), tokenizer
     torch_dtype = pick(DTYPES, dtype, "dtype")
     kind = detect_kind(read_config(path)) if kind == "auto" else kind
     pick(LOGITS_FNS, kind, "policy kind")

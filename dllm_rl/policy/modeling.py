@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM, PretrainedConfig, PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MaskedLMOutput
 
 
@@ -82,7 +83,7 @@ def rotary(x_BHLD: torch.Tensor, positions_BL: torch.Tensor, theta: float) -> to
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x_BHLD.dtype)
 
 
-class Block(nn.Module):
+class Block(GradientCheckpointingLayer):  # gradient_checkpointing_enable() recomputes it in backward
     def __init__(self, cfg: DiffusionLMConfig):
         super().__init__()
         d, f = cfg.hidden_size, cfg.intermediate_size
@@ -110,6 +111,7 @@ class DiffusionLM(PreTrainedModel):
     config_class = DiffusionLMConfig
     base_model_prefix = "diffusion_lm"
     _no_split_modules = ["Block"]
+    supports_gradient_checkpointing = True
     # With config.tie_word_embeddings the output projection is the input embedding (transformers ties them).
     _tied_weights_keys = {"lm_head.weight": "embed.weight"}
 

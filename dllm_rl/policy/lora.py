@@ -1,0 +1,129 @@
+"""LoRA adapters (through `peft`) and gradient checkpointing: what lets an 8B dLLM's RL fit in GPU memory.
+
+d1 trains LLaDA-8B with LoRA (r=128) and a KL reference that is the same network with the adapter switched off,
+so no second copy of the model is loaded. Here:
+
+- `lora.r > 0` wraps the policy network in a `peft` LoRA model (`lora.alpha`, `lora.dropout`,
+  `lora.target_modules`: module names, or `all-linear`, every linear layer but the output head); only the
+  adapter weights train, and the optimizer holds only them;
+- the reference (`algo.beta > 0`) is `AdapterOff(network)`: the policy's own network called with the adapter
+  disabled. Syncing the reference (`ref_sync_every`) would need a second copy, so it is refused with LoRA;
+- a checkpoint saves the adapter only (`adapter_config.json`, `adapter_model.safetensors`, naming the base
+  model's directory); `load_policy` loads such a directory as base + adapter, and `dllm-rl export` merges it
+  into a plain `from_pretrained` directory;
+- `gradient_checkpointing=true` recomputes each block's activations in the backward pass, through
+  transformers' own switch (`activation_checkpointing_enable`, formerly `gradient_checkpointing_enable`); a model that does not support it is a named
+  error.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dllm_rl.errors import ConfigError, check_kwargs, check_ranges, require
+
+LORA_DEFAULTS: dict[str, Any] = {"r": 0, "alpha": 16.0, "dropout": 0.0, "target_modules": "all-linear"}
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def check_lora(options: dict[str, Any]) -> dict[str, Any]:
+    """The `lora` group with its defaults, checked by name, type and range."""
+    check_kwargs(lambda r, alpha, dropout, target_modules: None, options, "lora")
+    options = {**LORA_DEFAULTS, **options}
+    r, targets = options["r"], options["target_modules"]
+    require(isinstance(r, int) and not isinstance(r, bool), f"lora.r={r!r}: expected int (0 = no LoRA)")
+    require(isinstance(options["alpha"], (int, float)), f"lora.alpha={options['alpha']!r}: expected a number")
+    require(isinstance(options["dropout"], (int, float)), f"lora.dropout={options['dropout']!r}: expected a number")
+    check_ranges(options, {"r": "non_negative", "alpha": "positive", "dropout": "probability_below_1"}, "lora")
+    require(targets == "all-linear" or (isinstance(targets, (list, tuple)) and targets
+                                         and all(isinstance(t, str) and t for t in targets)),
+            f"lora.target_modules={targets!r}: expected all-linear or a list of module names, e.g. [q_proj, v_proj]")
+    return options
+
+
+def add_adapters(network: nn.Module, options: dict[str, Any], base_path: str, seed: int) -> nn.Module:
+    """`network` wrapped in a peft LoRA model (the base weights frozen) whose saved adapters name `base_path`
+    (made absolute); a named error when no module matches `target_modules`. The adapters' random initialisation
+    is a function of `seed` alone (the global RNG is left as it was)."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = options["target_modules"]
+    config = LoraConfig(r=options["r"], lora_alpha=options["alpha"], lora_dropout=options["dropout"],
+                        target_modules=targets if targets == "all-linear" else list(targets), bias="none",
+                        base_model_name_or_path=str(Path(base_path).expanduser().resolve()))
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return get_peft_model(network, config)
+    except ValueError as error:  # peft: "Target modules ... not found in the base model"
+        linear = sorted({name.rsplit(".", 1)[-1] for name, m in network.named_modules() if isinstance(m, nn.Linear)})
+        raise ConfigError(f"lora.target_modules={targets!r}: {str(error).splitlines()[0][:200]}; this model's "
+                          f"linear layers are named {linear}") from None
+
+
+def has_adapters(network: nn.Module) -> bool:
+    from peft import PeftModel
+
+    return isinstance(getattr(network, "module", network), PeftModel)
+
+
+class AdapterOff(nn.Module):
+    """The policy's own network with its LoRA adapter switched off: the base model, used as the KL reference
+    without a second copy. `network` is the peft model (or a DeepSpeed engine around it)."""
+
+    def __init__(self, network: nn.Module):
+        super().__init__()
+        self.network = network  # registered, but never trained through this module
+        self.peft = getattr(network, "module", network)
+
+    @property
+    def config(self):
+        return self.peft.config
+
+    def forward(self, *args, **kwargs):
+        with self.peft.disable_adapter():
+            return self.network(*args, **kwargs)
+
+
+def enable_gradient_checkpointing(network: nn.Module) -> None:
+    """Recompute activations in the backward pass, through transformers' switch; a named error where the model
+    does not support it."""
+    base = network.get_base_model() if hasattr(network, "get_base_model") else network
+    require(getattr(base, "supports_gradient_checkpointing", False),
+            f"gradient_checkpointing=true: {type(base).__name__} does not support gradient checkpointing "
+            f"(its supports_gradient_checkpointing is False); set gradient_checkpointing=false")
+    if hasattr(base, "activation_checkpointing_enable"):  # the name from transformers 5.x on
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def adapter_base(path: str | Path) -> str | None:
+    """The base model directory an adapter directory names, or None when `path` holds no adapter."""
+    file = Path(path).expanduser() / ADAPTER_CONFIG
+    if not file.is_file():
+        return None
+    try:
+        base = json.loads(file.read_text()).get("base_model_name_or_path")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as error:
+        raise ConfigError(f"model={str(path)!r}: {file} is not an adapter config ({error})") from None
+    require(isinstance(base, str) and Path(base).expanduser().is_dir(),
+            f"model={str(path)!r} holds a LoRA adapter for the base model {base!r}, which is not a local directory "
+            f"here; export the checkpoint with dllm-rl export on the machine that has the base model")
+    return base
+
+
+def merged_with_adapter(network: nn.Module, path: str | Path) -> nn.Module:
+    """`network` (the base) with the adapter saved in `path` merged into its weights: a plain model again."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(network, str(path)).merge_and_unload()
+
+
+def trainable_parameters(network: nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in network.parameters() if p.requires_grad]

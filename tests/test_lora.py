@@ -1,0 +1,141 @@
+"""LoRA through peft and gradient checkpointing: only the adapter trains, the KL reference is the base (the same
+network with the adapter off), checkpoints hold the adapter only and resume exactly, `eval` and `export` merge
+the adapter into its base, and checkpointed gradients equal plain ones."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dllm_rl import cli
+from dllm_rl.checkpoint import latest_checkpoint
+from dllm_rl.errors import ConfigError
+from dllm_rl.policy.adapters import load_policy
+from dllm_rl.train import train
+from tests.conftest import DigitShare
+from tests.test_train import SMALL
+
+LORA = {"r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": "all-linear"}
+KL = {**SMALL, "algo": {**SMALL["algo"], "beta": 0.1}, "lr": 1e-2, "checkpoint_every": 2}
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, char_tokenizer):
+    from tests.conftest import make_tiny_dllm
+
+    root = tmp_path_factory.mktemp("lora")
+    model = root / "model"
+    make_tiny_dllm(char_tokenizer).model.save_pretrained(model)
+    char_tokenizer.save_pretrained(model)
+    run = root / "run"
+    train(DigitShare(), model=str(model), run_dir=str(run), steps=4, lora=LORA, **KL)
+    return model, run
+
+
+def test_only_the_adapter_trains_and_the_reference_is_the_base(lora_run):
+    model, run = lora_run
+    lines = metrics(run)
+    assert lines[0]["loss/kl"] == 0.0  # step 1 scores the untouched policy: LoRA's B starts at zero
+    assert all(line["loss/kl"] > 0 for line in lines[1:]) and all(line["policy/updates"] == 1 for line in lines)
+    checkpoint = latest_checkpoint(run)
+    assert not (checkpoint / "model.safetensors").exists() and not (checkpoint / "reference").exists()
+    adapter = load_file(str(checkpoint / "adapter_model.safetensors"))
+    assert adapter and all("lora_" in name for name in adapter)
+    assert any(t.abs().sum() > 0 for name, t in adapter.items() if "lora_B" in name)  # the adapter moved
+    config = json.loads((checkpoint / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(model.resolve()) and config["r"] == 4
+    states = torch.load(checkpoint / "deepspeed" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    assert states and all("lora_" in name for name in states)  # DeepSpeed saved the trained parameters only
+
+
+def test_a_lora_checkpoint_loads_and_exports_merged(lora_run, tmp_path, capsys):
+    model, run = lora_run
+    checkpoint = latest_checkpoint(run)
+    merged, _ = load_policy(str(checkpoint))
+    base, _ = load_policy(str(model))
+    ids = torch.randint(5, 60, (2, 12))
+    with torch.no_grad():
+        logits, base_logits = merged.logits(ids), base.logits(ids)
+    assert not torch.allclose(logits, base_logits)  # the adapter changed the model
+    from peft import PeftModel
+
+    live = PeftModel.from_pretrained(load_policy(str(model))[0].model, str(checkpoint)).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(logits, live(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+    out = tmp_path / "exported"
+    assert cli.main(["export", f"checkpoint={run}", f"output_dir={out}"]) == 0
+    assert "LoRA adapter merged" in capsys.readouterr().out
+    exported, _ = load_policy(str(out))
+    assert not (out / "adapter_config.json").exists()
+    with torch.no_grad():
+        torch.testing.assert_close(exported.logits(ids), logits, rtol=1e-5, atol=1e-5)
+
+
+def test_lora_resume_is_exact(lora_run, tmp_path):
+    model, straight = lora_run
+    split = tmp_path / "split"
+    train(DigitShare(), model=str(model), run_dir=str(split), steps=2, lora=LORA, **KL)
+    train(DigitShare(), model=str(model), resume=str(split), steps=4, lora=LORA, **KL)
+    a, b = (load_file(str(latest_checkpoint(run) / "adapter_model.safetensors")) for run in (straight, split))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [line["loss/policy"] for line in metrics(split)] == [line["loss/policy"] for line in metrics(straight)]
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tiny_policy):
+    net = tiny_policy.model.train()
+    ids = torch.randint(5, 60, (2, 12))
+
+    def grads():
+        net.zero_grad()
+        net(input_ids=ids).logits.logsumexp(-1).sum().backward()
+        return {n: p.grad.clone() for n, p in net.named_parameters()}
+
+    plain = grads()
+    from dllm_rl.policy.lora import enable_gradient_checkpointing
+
+    enable_gradient_checkpointing(net)
+    assert all(block.gradient_checkpointing for block in net.blocks)
+    checkpointed = grads()
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-5, atol=1e-6)
+
+
+def test_gradient_checkpointing_on_a_model_without_it_is_a_named_error():
+    from dllm_rl.policy.lora import enable_gradient_checkpointing
+
+    with pytest.raises(ConfigError, match="Linear does not support gradient checkpointing"):
+        enable_gradient_checkpointing(torch.nn.Linear(2, 2))
+
+
+def test_lora_with_gradient_checkpointing_trains(saved_model, tmp_path):
+    run = tmp_path / "run"
+    train(DigitShare(), model=saved_model, run_dir=str(run), steps=1, lora=LORA, gradient_checkpointing=True, **KL)
+    assert metrics(run)[0]["policy/updates"] == 1
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"r": -1}, "lora.r=-1: expected a finite number >= 0"),
+    ({"r": 2.5}, "lora.r=2.5: expected int"),
+    ({"r": 4, "dropout": 1.0}, "lora.dropout=1.0: expected a number in [0, 1)"),
+    ({"r": 4, "alpha": 0}, "lora.alpha=0: expected a finite number > 0"),
+    ({"r": 4, "target_modules": []}, "lora.target_modules=[]: expected all-linear or a list"),
+    ({"r": 4, "rank": 3}, "unknown config key 'lora.rank'"),
+])
+def test_bad_lora_values_are_named(saved_model, tmp_path, options, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        train(DigitShare(), model=saved_model, run_dir=str(tmp_path / "run"), steps=1, lora=options, **SMALL)
+
+
+def test_lora_refuses_what_it_cannot_do(saved_model, tmp_path):
+    with pytest.raises(ConfigError, match="ref_sync_every=2 with lora.r=4"):
+        train(DigitShare(), model=saved_model, run_dir=str(tmp_path / "a"), steps=1, lora=LORA, ref_sync_every=2,
+              **SMALL)
+    with pytest.raises(ConfigError, match=r"lora.target_modules=\['nope'\].*linear layers are named"):
+        train(DigitShare(), model=saved_model, run_dir=str(tmp_path / "b"), steps=1,
+              lora={**LORA, "target_modules": ["nope"]}, **SMALL)
