@@ -2,7 +2,7 @@
 single-process baseline): short training runs at each ZeRO stage, a ZeRO-3 resume, a ZeRO-3 rollout, and the
 live logits of a ZeRO-3 engine restored from a checkpoint. Results go to files under OUT; the test compares.
 
-usage: dist_worker.py OUT MODEL (train STAGE... | resume | rollout | logits CHECKPOINT | hang)
+usage: dist_worker.py OUT MODEL (train STAGE... | lora STAGE... | resume | rollout | logits CHECKPOINT | hang)
 """
 
 import json
@@ -33,12 +33,16 @@ SETTINGS = dict(
 PROMPTS = ["12+7=", "3*4=", "9-5=", "8+8="]
 
 
-def run_train(out: Path, model: str, stage: int, steps: int = 2, resume: bool = False) -> None:
+LORA = {"r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": "all-linear"}
+
+
+def run_train(out: Path, model: str, stage: int, steps: int = 2, resume: bool = False, lora: bool = False) -> None:
     from dllm_rl.train import train
 
-    run = out / f"zero{stage}"
+    run = out / f"{'lora_' if lora else ''}zero{stage}"
+    settings = {**SETTINGS, "ref_sync_every": 0, "lora": LORA} if lora else SETTINGS
     train(build_task("arithmetic"), model=model, deepspeed={"stage": stage}, steps=steps,
-          **({"resume": str(run)} if resume else {"run_dir": str(run)}), **SETTINGS)
+          **({"resume": str(run)} if resume else {"run_dir": str(run)}), **settings)
 
 
 def engine_for(model: str, stage: int, world):
@@ -67,6 +71,9 @@ def main(out: Path, model: str, command: str, *args: str) -> None:
         for stage in map(int, args):
             run_train(out, model, stage)
         (out / f"group_timeouts_rank{world.rank}.json").write_text(json.dumps(group_timeouts()))
+    elif command == "lora":  # LoRA with the adapter-off reference at the given stages
+        for stage in map(int, args):
+            run_train(out, model, stage, lora=True)
     elif command == "resume":  # zero3 ran 2 steps; continue to 3, and run 3 straight for comparison
         run_train(out, model, 3, steps=3, resume=True)
         straight = out / "straight"

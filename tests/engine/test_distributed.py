@@ -116,6 +116,32 @@ def test_deepspeed_groups_take_the_configured_timeout(runs):
         assert len(timeouts) >= 2 and set(timeouts) == {60.0}, timeouts
 
 
+def test_lora_at_zero2_and_zero3_agrees_with_the_single_process_run(runs):
+    """LoRA with the adapter-off KL reference on two ranks: ZeRO-2 and ZeRO-3 (adapters partitioned with the
+    frozen base) give the single-process losses and adapter weights; checkpoints hold the adapter only."""
+    import dist_worker
+
+    root, _, _ = runs
+    single, two = root / "lora_single", root / "lora_two"
+    single.mkdir()
+    two.mkdir()
+    dist_worker.run_train(single, str(root / "model"), 0, lora=True)
+    launched(two, str(root / "model"), "lora", "2", "3")
+    reference = metrics(single / "lora_zero0")
+    adapter = load_file(str(single / "lora_zero0" / "checkpoints" / "step_000002" / "adapter_model.safetensors"))
+    for stage in (2, 3):
+        run = two / f"lora_zero{stage}"
+        for a, b in zip(metrics(run), reference):
+            assert a["loss/policy"] == pytest.approx(b["loss/policy"], rel=1e-5, abs=1e-7)
+            assert a["loss/kl"] == pytest.approx(b["loss/kl"], rel=1e-4, abs=1e-9)
+        checkpoint = run / "checkpoints" / "step_000002"
+        assert not (checkpoint / "model.safetensors").exists()
+        got = load_file(str(checkpoint / "adapter_model.safetensors"))
+        assert got.keys() == adapter.keys()
+        for name in adapter:
+            torch.testing.assert_close(got[name], adapter[name], rtol=0, atol=2e-6)
+
+
 def test_zero3_resume_continues_exactly(runs):
     root, _, two = runs
     launched(two, str(root / "model"), "resume")  # zero3: 2 steps + resume to 3; and 3 steps straight
