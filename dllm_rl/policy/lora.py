@@ -19,6 +19,7 @@ so no second copy of the model is loaded. Here:
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +58,9 @@ def add_adapters(network: nn.Module, options: dict[str, Any], base_path: str, se
                         target_modules=targets if targets == "all-linear" else list(targets), bias="none",
                         base_model_name_or_path=str(Path(base_path).expanduser().resolve()))
     try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            torch.manual_seed(seed)  # peft asks transformers by the name it deprecated
             return get_peft_model(network, config)
     except ValueError as error:  # peft: "Target modules ... not found in the base model"
         linear = sorted({name.rsplit(".", 1)[-1] for name, m in network.named_modules() if isinstance(m, nn.Linear)})
