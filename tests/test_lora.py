@@ -139,3 +139,22 @@ def test_lora_refuses_what_it_cannot_do(saved_model, tmp_path):
     with pytest.raises(ConfigError, match=r"lora.target_modules=\['nope'\].*linear layers are named"):
         train(DigitShare(), model=saved_model, run_dir=str(tmp_path / "b"), steps=1,
               lora={**LORA, "target_modules": ["nope"]}, **SMALL)
+
+
+@pytest.mark.slow
+def test_sft_and_exported_lora_models_hand_off_to_rl(lora_run, tmp_path):
+    """`dllm-rl train model=<dir>` from a `dllm-rl sft` output, from an exported LoRA run, and from a LoRA
+    checkpoint itself (merged on load), each with a fresh LoRA on top."""
+    model, run = lora_run
+    sft_out, exported = tmp_path / "sft", tmp_path / "exported"
+    assert cli.main(["sft", f"model={model}", "task=arithmetic", "steps=2", "batch_size=4", "examples=8",
+                     f"output_dir={sft_out}", "gen_length=32"]) == 0
+    assert cli.main(["export", f"checkpoint={run}", f"output_dir={exported}"]) == 0
+    for i, start in enumerate((sft_out, exported, latest_checkpoint(run))):
+        out = tmp_path / f"rl{i}"
+        assert cli.main(["train", f"model={start}", f"run_dir={out}", "task=arithmetic", "steps=1", "external=none",
+                         "prompts_per_step=2", "group_size=2", "minibatch_size=4", "rollout.gen_length=16",
+                         "rollout.block_length=16", "rollout.steps=8", "eval_every=0", "tensorboard=false",
+                         "lora.r=2", "algo.beta=0.04"]) == 0
+        assert metrics(out)[0]["step"] == 1  # (an untrained model earns no reward on arithmetic: no update)
+        assert (latest_checkpoint(out) / "adapter_model.safetensors").is_file()
