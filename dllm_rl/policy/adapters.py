@@ -65,6 +65,7 @@ LOGITS_FNS: dict[str, Callable] = {"native": native_logits, "llada": llada_logit
 REMOTE_CODE_KINDS = ("llada", "dream")  # their modeling code ships with the checkpoint
 MODEL_TYPES = {"dllm_rl_diffusion_lm": "native", "llada": "llada", "dream": "dream"}
 MASK_TOKENS = {"llada": "<|mdm_mask|>"}
+CONTEXT_FIELDS = ("max_position_embeddings", "max_sequence_length")  # the second is LLaDA's name
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -85,10 +86,15 @@ class DiffusionPolicy:
 
     @property
     def context_length(self) -> int | None:
-        """The longest sequence the model takes (`max_position_embeddings`), None where its config does not
-        say. Read from the network itself: a DeepSpeed engine around it has a `config` of its own (a dict)."""
+        """The longest sequence the model takes (`max_position_embeddings`; LLaDA's `max_sequence_length`), None
+        where its config does not say. Read from the network itself: a DeepSpeed engine around it has a `config`
+        of its own (a dict)."""
         network = getattr(self.model, "module", self.model)
-        return getattr(getattr(network, "config", None), "max_position_embeddings", None)
+        config = getattr(network, "config", None)
+        for field in CONTEXT_FIELDS:
+            if isinstance(getattr(config, field, None), int):
+                return getattr(config, field)
+        return None
 
     def logits(self, ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor | None = None) -> torch.Tensor:
         return LOGITS_FNS[self.kind](self.model, ids_BL, attention_mask_BL)

@@ -170,3 +170,17 @@ def test_no_command_runs_a_checkpoints_own_code_without_consent(tmp_path, char_t
     assert not marker.exists()
     policy, _ = load_policy(str(planted), trust_remote_code=True)  # with consent it loads, and its code ran
     assert policy.kind == "llada" and marker.exists()
+
+
+def test_the_context_length_is_read_under_each_models_name(tiny_policy):
+    """`max_position_embeddings` (native, Dream) or LLaDA's `max_sequence_length`, through any wrapper."""
+    import types
+
+    from dllm_rl.policy.adapters import DiffusionPolicy
+
+    assert tiny_policy.context_length == tiny_policy.model.config.max_position_embeddings
+    llada_like = types.SimpleNamespace(config=types.SimpleNamespace(max_sequence_length=4096, d_model=8))
+    assert DiffusionPolicy(llada_like, "llada", 1).context_length == 4096
+    engine_like = types.SimpleNamespace(module=llada_like, config={"train_batch_size": 8})
+    assert DiffusionPolicy(engine_like, "llada", 1).context_length == 4096
+    assert DiffusionPolicy(types.SimpleNamespace(config=types.SimpleNamespace()), "llada", 1).context_length is None
