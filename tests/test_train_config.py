@@ -59,3 +59,16 @@ def test_a_group_dict_overrides_the_keys_it_names_and_another_option_replaces_th
     assert cfg.sampler["temperature"] == 1.0 and "name" not in cfg.sampler
     assert cfg.likelihood == {"name": "elbo", "num_masks": 2}  # like likelihood=elbo likelihood.num_masks=2
     assert cfg.mixing["per_prompt"] == 1 and cfg.mixing["likelihood"] == GROUP_DEFAULTS["mixing"]["likelihood"]
+
+
+@pytest.mark.parametrize("experiment", ["llada8b_d1", "dream7b_d1", "llada8b_erils"])
+def test_the_8b_recipes_compose_into_valid_configs(experiment):
+    """Each recipe composes, passes every check of TrainConfig, and says d1's settings."""
+    cfg = cli.to_plain(cli.compose_config("train", [f"+experiment={experiment}", "model=/models/x", "task=gsm8k"]))
+    cfg.pop("task")
+    config = TrainConfig.from_options(cfg)
+    assert config.trust_remote_code and config.model == "/models/x"
+    assert (config.rollout["gen_length"], config.rollout["block_length"], config.rollout["steps"]) == (256, 32, 128)
+    assert (config.group_size, config.inner_iterations, config.lora["r"], config.deepspeed["stage"]) == (6, 12, 128, 2)
+    assert (config.algo["eps_low"], config.algo["beta"]) == (0.5, 0.04) and config.gradient_checkpointing
+    assert config.external["name"] == ("causal_lm" if experiment == "llada8b_erils" else "none")
