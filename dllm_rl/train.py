@@ -51,7 +51,7 @@ from dllm_rl.errors import ConfigError, Interrupted, require
 from dllm_rl.external.mixer import build_mixer
 from dllm_rl.likelihood.estimators import build_estimator
 from dllm_rl.optim import lr_factor
-from dllm_rl.policy.adapters import hidden_size_of, load_policy
+from dllm_rl.policy.adapters import hidden_size_of, kind_of, load_policy
 from dllm_rl.policy.lora import AdapterOff, add_adapters, enable_gradient_checkpointing, trainable_parameters
 from dllm_rl.precision import resolve_bf16
 from dllm_rl.seeds import derive_seed
@@ -186,6 +186,10 @@ def setup(task: Task, cfg: TrainConfig, print_fn, saved_config: dict | None) -> 
     ds_options, timeout_s = engine_options(cfg.deepspeed)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=resolve_bf16(cfg.bf16))
     require_cpu_accelerator()
+    require(not (ds_options.get("stage") == 3 and Path(cfg.model).is_dir() and kind_of(cfg.model) == "llada"),
+            f"deepspeed.stage=3 with a LLaDA model ({cfg.model}): its code ignores the attention mask, so padded "
+            f"batches run one prompt length at a time and ranks would make different numbers of forwards, which "
+            f"ZeRO-3's collectives cannot; use deepspeed=zero2 (the recipes' setting)")
     splits = describe_splits(task, needed=("train", "test") if cfg.eval_every > 0 else ("train",))
     world = init_distributed(timeout_s)  # rank 0 of 1 without a launcher
     print_fn = print_fn if world.is_main else (lambda *_: None)

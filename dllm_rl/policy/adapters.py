@@ -6,8 +6,9 @@ assumes of a checkpoint:
 
 - `native`: a `DiffusionLM` directory (`dllm_rl.policy.modeling`); `config.mask_token_id` is set.
 - `llada`: loaded with `AutoModel.from_pretrained(path, trust_remote_code=True)` (GSAI-ML/LLaDA-8B-*).
-  `model(input_ids=..., attention_mask=...)` returns an object with `.logits` of shape (B, L, V),
-  unshifted. The mask id is `config.mask_token_id` (126336 for LLaDA-8B), else the tokenizer's
+  `model(input_ids=...)` returns an object with `.logits` of shape (B, L, V), unshifted. Its code ignores the
+  attention mask and numbers positions from 0 whatever the padding, so a padded batch runs one span of real
+  tokens at a time (`by_real_span`): every adapter's logits for a row are independent of its batch. The mask id is `config.mask_token_id` (126336 for LLaDA-8B), else the tokenizer's
   `mask_token_id`, else the id of `<|mdm_mask|>`.
 - `dream`: loaded the same way (Dream-org/Dream-v0-*-7B). Its logits are shifted like an AR model's:
   position i holds the prediction for token i + 1, so the adapter moves them right by one (position 0 keeps
@@ -45,9 +46,37 @@ def native_logits(model, ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor |
 
 
 def llada_logits(model, ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor | None) -> torch.Tensor:
+    """LLaDA's published code ignores the attention mask (its positions are absolute), so a padded batch is run
+    one span of real tokens at a time (`by_real_span`); an unpadded one in one forward, as its sampler does."""
     if attention_mask_BL is None or bool(attention_mask_BL.all()):
-        return model(input_ids=ids_BL).logits  # LLaDA's reference sampler passes no mask
-    return model(input_ids=ids_BL, attention_mask=attention_mask_BL).logits
+        return model(input_ids=ids_BL).logits
+    return by_real_span(lambda ids: model(input_ids=ids).logits, ids_BL, attention_mask_BL)
+
+
+def by_real_span(forward: Callable[[torch.Tensor], torch.Tensor], ids_BL: torch.Tensor,
+                 attention_mask_BL: torch.Tensor) -> torch.Tensor:
+    """Logits of a model that ignores the attention mask, exactly: the rows are grouped by where their real
+    tokens lie, and each group runs on exactly those positions, so no forward sees padding and a row's logits
+    never depend on the rows batched with it. Padding positions get zero logits. A row's real tokens must be
+    contiguous (left or right padding)."""
+    real_BL = attention_mask_BL.bool()
+    B, L = real_BL.shape
+    count_B = real_BL.sum(-1)
+    start_B = torch.where(count_B > 0, real_BL.int().argmax(-1), torch.zeros_like(count_B))
+    position_L = torch.arange(L, device=real_BL.device)
+    span_BL = (position_L >= start_B[:, None]) & (position_L < (start_B + count_B)[:, None])
+    require(bool((span_BL == real_BL).all()), "a row's real tokens are not contiguous in its attention mask; this "
+            "model ignores the mask, so only left or right padding can be run exactly")
+    out_BLV = None
+    for start, count in sorted(set(zip(start_B.tolist(), count_B.tolist()))):
+        if count == 0:
+            continue
+        rows = ((start_B == start) & (count_B == count)).nonzero().squeeze(-1)
+        logits = forward(ids_BL[rows, start:start + count])
+        if out_BLV is None:
+            out_BLV = logits.new_zeros(B, L, logits.shape[-1])
+        out_BLV[rows, start:start + count] = logits
+    return forward(ids_BL) if out_BLV is None else out_BLV  # (no real token at all: nothing to keep exact)
 
 
 def dream_logits(model, ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor | None) -> torch.Tensor:
@@ -134,6 +163,13 @@ def detect_kind(config: dict[str, Any]) -> str:
             f"cannot tell which adapter fits model_type {model_type!r}; set policy kind to one of {sorted(LOGITS_FNS)}"
         )
     return MODEL_TYPES[model_type]
+
+
+def kind_of(path: str) -> str:
+    """The adapter a model directory needs, from its config.json (an adapter directory's: its base's)."""
+    from dllm_rl.policy.lora import adapter_base
+
+    return detect_kind(read_config(adapter_base(path) or path))
 
 
 def require_consent(path: str, kind: str, trust_remote_code: bool, key: str = "model") -> None:

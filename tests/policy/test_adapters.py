@@ -91,7 +91,9 @@ def unshifted_reference(policy, ids, **kwargs):
         policy.model.config.shifted = True
 
 
-def test_llada_adapter_passes_logits_through(tmp_path, char_tokenizer):
+def test_llada_adapter_passes_logits_through_and_runs_padded_rows_exactly(tmp_path, char_tokenizer):
+    """LLaDA's code ignores the mask and numbers positions from 0, so the adapter runs each span of real tokens
+    alone: a padded row's logits equal the unpadded row's."""
     path = write_standin(tmp_path / "llada", "llada", char_tokenizer, False)
     policy, tokenizer = load_policy(str(path), trust_remote_code=True)
     assert policy.kind == "llada" and not policy.shifted
@@ -100,7 +102,39 @@ def test_llada_adapter_passes_logits_through(tmp_path, char_tokenizer):
     torch.testing.assert_close(policy.logits(ids), policy.model(input_ids=ids).logits)
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
-    torch.testing.assert_close(policy.logits(ids, mask), policy.model(input_ids=ids, attention_mask=mask).logits)
+    logits = policy.logits(ids, mask)
+    torch.testing.assert_close(logits[0, 3:], policy.model(input_ids=ids[:1, 3:]).logits[0])
+    torch.testing.assert_close(logits[1], policy.model(input_ids=ids[1:]).logits[0])
+    assert not logits[0, :3].any()  # padding positions carry nothing
+
+
+def test_by_real_span_is_exact_for_a_model_that_ignores_the_mask():
+    """A stand-in that ignores the mask and uses absolute positions: any padding pattern, grouped rows."""
+    from dllm_rl.errors import ConfigError
+    from dllm_rl.policy.adapters import by_real_span
+
+    torch.manual_seed(0)
+    table, position = torch.randn(50, 7), torch.randn(16, 7)
+    calls = []
+
+    def forward(ids_BL):  # every token sees every other token, positions from 0
+        calls.append(tuple(ids_BL.shape))
+        h = table[ids_BL] + position[: ids_BL.shape[1]]
+        return h + h.mean(1, keepdim=True)
+
+    rows = [torch.randint(1, 50, (n,)) for n in (5, 9, 5, 3)]
+    ids = torch.zeros(4, 12, dtype=torch.long)
+    mask = torch.zeros(4, 12, dtype=torch.long)
+    for i, (row, start) in enumerate(zip(rows, (7, 3, 7, 0))):  # left padding, and one right-padded row
+        ids[i, start:start + len(row)], mask[i, start:start + len(row)] = row, 1
+    out = by_real_span(forward, ids, mask)
+    for i, (row, start) in enumerate(zip(rows, (7, 3, 7, 0))):
+        torch.testing.assert_close(out[i, start:start + len(row)], forward(row[None])[0])
+    assert sorted(calls[:3]) == [(1, 3), (1, 9), (2, 5)]  # rows 0 and 2 share a span: one forward
+    holes = mask.clone()
+    holes[1, 5] = 0
+    with pytest.raises(ConfigError, match="not contiguous"):
+        by_real_span(forward, ids, holes)
 
 
 def test_dream_adapter_unshifts_and_passes_positions(tmp_path, char_tokenizer):
