@@ -20,6 +20,7 @@ from dllm_rl.data.tokenizers import load_tokenizer
 from dllm_rl.engine.engine import CHECKPOINT_TAG
 from dllm_rl.errors import ConfigError, require
 from dllm_rl.policy.adapters import MODEL_TYPES, REMOTE_CODE_KINDS, load_policy, read_config, require_consent
+from dllm_rl.policy.compat import finish_loading, remote_model_class
 from dllm_rl.policy.lora import adapter_base
 
 
@@ -59,7 +60,10 @@ def export_checkpoint(checkpoint: str, output_dir: str, trust_remote_code: bool 
     require_consent(str(source), kind, trust_remote_code, key="checkpoint")
     remote = kind in REMOTE_CODE_KINDS
     config = AutoConfig.from_pretrained(source, trust_remote_code=remote)
-    model = AutoModel.from_config(config, trust_remote_code=remote)
+    if remote:  # the checkpoint's own code, with the transformers 5 fixes of policy/compat.py
+        model = finish_loading(remote_model_class(str(source), kind, config)._from_config(config), kind)
+    else:
+        model = AutoModel.from_config(config)
     vet_pickles(source)  # DeepSpeed unpickles its states unsafely: check them first
     state = consolidated_state_dict(source)
     missing, unexpected = model.load_state_dict(state, strict=False)

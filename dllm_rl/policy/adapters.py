@@ -38,6 +38,7 @@ from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModel
 
 from dllm_rl.data.tokenizers import load_tokenizer
+from dllm_rl.policy.compat import load_remote_model
 from dllm_rl.errors import ConfigError, pick, require
 
 
@@ -230,7 +231,10 @@ def load_policy(path: str, kind: str = "auto", dtype: str = "float32", device: s
     remote = kind in REMOTE_CODE_KINDS
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=remote)
-        model = AutoModel.from_pretrained(path, config=config, trust_remote_code=remote, dtype=torch_dtype)
+        if remote:  # the checkpoint's own code, with the transformers 5 fixes of compat.py
+            model = load_remote_model(path, kind, config, torch_dtype)
+        else:
+            model = AutoModel.from_pretrained(path, config=config, dtype=torch_dtype)
     except (OSError, ValueError, RuntimeError, SafetensorError) as error:  # a missing, truncated or mismatched file
         raise ConfigError(f"model={path!r}: cannot load the model from it ({type(error).__name__}: "
                           f"{str(error).strip().splitlines()[0][:300]})") from None
