@@ -43,6 +43,13 @@ def make_dllm(char_tokenizer):
     return lambda **kwargs: make_tiny_dllm(char_tokenizer, **kwargs)
 
 
+def save_tiny_dllm(path: Path, tokenizer) -> Path:
+    """A tiny native dLLM (seed 0) saved with `tokenizer` as a model directory at `path` (for module fixtures)."""
+    make_tiny_dllm(tokenizer).model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 @pytest.fixture
 def saved_model(tiny_policy, char_tokenizer, tmp_path):
     """A tiny native dLLM saved with its tokenizer as a model directory; returns the path."""

@@ -29,12 +29,10 @@ def without_perf(rows: list[dict]) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory, char_tokenizer):
-    from tests.conftest import make_tiny_dllm
+    from tests.conftest import save_tiny_dllm
 
     out = tmp_path_factory.mktemp("kill")
-    model = out / "model"
-    make_tiny_dllm(char_tokenizer).model.save_pretrained(model)
-    char_tokenizer.save_pretrained(model)
+    model = save_tiny_dllm(out / "model", char_tokenizer)
     result = subprocess.run([sys.executable, str(WORKER), str(out), str(model), "2026", str(TRIALS)],
                             env=clean_env(), capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]

@@ -27,12 +27,10 @@ def metrics(run: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory, char_tokenizer):
-    from tests.conftest import make_tiny_dllm
+    from tests.conftest import save_tiny_dllm
 
     root = tmp_path_factory.mktemp("lora")
-    model = root / "model"
-    make_tiny_dllm(char_tokenizer).model.save_pretrained(model)
-    char_tokenizer.save_pretrained(model)
+    model = save_tiny_dllm(root / "model", char_tokenizer)
     run = root / "run"
     train(DigitShare(), model=str(model), run_dir=str(run), steps=4, lora=LORA, **KL)
     return model, run
