@@ -11,14 +11,15 @@ so no second copy of the model is loaded. Here:
 - a checkpoint saves the adapter only (`adapter_config.json`, `adapter_model.safetensors`, naming the base
   model's directory); `load_policy` loads such a directory as base + adapter, and `dllm-rl export` merges it
   into a plain `from_pretrained` directory;
-- `gradient_checkpointing=true` recomputes each block's activations in the backward pass, through
-  transformers' own switch (`activation_checkpointing_enable`, formerly `gradient_checkpointing_enable`); a model that does not support it is a named
+- `gradient_checkpointing=true` recomputes each block's activations in the backward pass, through LLaDA's own
+  strategy (`whole_layer`) for LLaDA, and otherwise transformers' own switch (`activation_checkpointing_enable`, formerly `gradient_checkpointing_enable`); a model that does not support it is a named
   error.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -93,12 +94,18 @@ class AdapterOff(nn.Module):
 
 
 def enable_gradient_checkpointing(network: nn.Module) -> None:
-    """Recompute activations in the backward pass, through transformers' switch; a named error where the model
-    does not support it."""
+    """Recompute activations in the backward pass, through transformers' switch, or LLaDA's own
+    (`set_activation_checkpointing(whole_layer)` on its inner model, which transformers' switch does not reach);
+    a named error where the model supports neither."""
     base = network.get_base_model() if hasattr(network, "get_base_model") else network
-    require(getattr(base, "supports_gradient_checkpointing", False),
-            f"gradient_checkpointing=true: {type(base).__name__} does not support gradient checkpointing "
-            f"(its supports_gradient_checkpointing is False); set gradient_checkpointing=false")
+    if not getattr(base, "supports_gradient_checkpointing", False):
+        own = next((m for m in base.modules() if callable(getattr(m, "set_activation_checkpointing", None))), None)
+        strategies = getattr(sys.modules.get(type(own).__module__), "ActivationCheckpointingStrategy", None)
+        require(own is not None and hasattr(strategies, "whole_layer"),
+                f"gradient_checkpointing=true: {type(base).__name__} does not support gradient checkpointing "
+                f"(its supports_gradient_checkpointing is False); set gradient_checkpointing=false")
+        own.set_activation_checkpointing(strategies.whole_layer)
+        return
     if hasattr(base, "activation_checkpointing_enable"):  # the name from transformers 5.x on
         base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:

@@ -4,7 +4,8 @@ Each is a directory with its own modeling code (config.json `auto_map`), a token
 the published code is written (read from GSAI-ML/LLaDA-8B-Instruct and Dream-org/Dream-v0-Instruct-7B), with the
 quirks that break under transformers 5 (see dllm_rl/policy/compat.py):
 
-LLaDA: `LLaDAModelLM.__init__(config, model=None, init_params=False)` never calls `post_init()`; `tie_weights(self)`
+LLaDA: `LLaDAModelLM.__init__(config, model=None, init_params=False)` never calls `post_init()`; no
+`supports_gradient_checkpointing`, but its inner `LLaDAModel.set_activation_checkpointing(strategy)`; `tie_weights(self)`
 takes no arguments; the forward reads `config.use_cache`, which `LLaDAConfig` does not define; the attention mask
 is accepted and ignored, positions are absolute (0..L-1 whatever the padding); the context is
 `max_sequence_length`, the width `d_model`; logits are not shifted.
@@ -22,7 +23,14 @@ import torch
 from safetensors.torch import save_file
 
 LLADA_CONFIG = '''
+from enum import Enum
+
 from transformers import PretrainedConfig
+
+
+class ActivationCheckpointingStrategy(str, Enum):
+    whole_layer = "whole_layer"
+    one_in_two = "one_in_two"
 
 
 class LLaDAConfig(PretrainedConfig):
@@ -43,7 +51,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .configuration_llada import LLaDAConfig
+from .configuration_llada import ActivationCheckpointingStrategy, LLaDAConfig
 
 
 def rotate(x, theta):
@@ -85,11 +93,21 @@ class LLaDAModel(nn.Module):
             ln_f=nn.LayerNorm(config.d_model),
             ff_out=nn.Linear(config.d_model, config.embedding_size, bias=False),
         ))
+        self.activation_checkpointing_strategy = None
+
+    def set_activation_checkpointing(self, strategy):
+        self.activation_checkpointing_strategy = strategy
 
     def forward(self, input_ids, attention_mask=None):
+        from torch.utils.checkpoint import checkpoint
+
         x = self.transformer.wte(input_ids)
-        for block in self.transformer.blocks:
-            x = block(x)
+        for i, block in enumerate(self.transformer.blocks):
+            if (self.activation_checkpointing_strategy == ActivationCheckpointingStrategy.whole_layer
+                    or (self.activation_checkpointing_strategy == ActivationCheckpointingStrategy.one_in_two and i % 2 == 0)):
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         return self.transformer.ff_out(self.transformer.ln_f(x))
 
 

@@ -141,3 +141,23 @@ def test_rl_on_the_published_code_trains_and_its_checkpoint_loads(standin, kind,
     with torch.no_grad():
         assert not torch.allclose(policy.logits(ids()), before.logits(ids()))  # trained weights, reloaded
         torch.testing.assert_close(merged.logits(ids()), policy.logits(ids()))  # export gives the same model
+
+
+def test_llada_gradient_checkpointing_goes_through_its_own_strategy(standin):
+    """LLaDA has no transformers switch; its own whole_layer strategy gives the same gradients."""
+    from dllm_rl.policy.lora import enable_gradient_checkpointing
+
+    policy, _ = load_policy(str(standin("llada")), trust_remote_code=True)
+    net = policy.model.train()
+
+    def grads():
+        net.zero_grad()
+        policy.logits(ids()).logsumexp(-1).sum().backward()
+        return {n: p.grad.clone() for n, p in net.named_parameters()}
+
+    plain = grads()
+    enable_gradient_checkpointing(net)
+    assert str(net.model.activation_checkpointing_strategy.value) == "whole_layer"
+    checkpointed = grads()
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-5, atol=1e-6)
