@@ -45,6 +45,7 @@ from dllm_rl.errors import RunStopped, require
 from dllm_rl.evaluate import evaluate_task
 from dllm_rl.external.mixer import local_only
 from dllm_rl.likelihood.estimators import Estimator
+from dllm_rl.rollout.diversity import distinct_share, pairwise_agreement
 from dllm_rl.rollout.sampler import completion_mask, completion_texts
 from dllm_rl.seeds import derive_seed
 
@@ -132,6 +133,9 @@ class InProcessRollouts:
         with self.inference():
             samples = self.generator.sample(prompts, [derive_seed(self.seed, "rollout", batch.step, first + n)
                                                       for n in range(len(prompts))])
+        batch.metrics.update({"rollout/forwards": float(samples.forwards),
+                              "rollout/distinct": distinct_share(samples.completion_BC, G),
+                              "rollout/agreement": pairwise_agreement(samples.completion_BC, G)})
         return Rows("on_policy", samples.sequences_BL, samples.attention_mask_BL, samples.prompt_length,
                     completion_mask(samples.completion_BC, eos_id), samples.unmask_step_BC,
                     torch.arange(len(batch.examples)).repeat_interleave(G), [],

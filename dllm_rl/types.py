@@ -27,6 +27,7 @@ class Samples:
     prompt_length: int
     unmask_step_BC: torch.Tensor
     confidence_BC: torch.Tensor
+    forwards: int = 0  # model forward passes the batch took (a denoising sampler; 0 where not counted)
 
     @property
     def completion_BC(self) -> torch.Tensor:

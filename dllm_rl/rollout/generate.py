@@ -42,6 +42,9 @@ class TextGenerator:
     temperature: float = 0.0
     remasking: str = "low_confidence"
     cfg_scale: float = 0.0
+    threshold: float | None = None  # parallel decoding (see rollout/sampler.py); dLLMs only
+    factor: float | None = None
+    random_first: bool = False
 
     @property
     def is_diffusion(self) -> bool:
@@ -60,7 +63,8 @@ class TextGenerator:
             max_length = self.model.context_length
             return denoise(self.model, ids_BP, mask_BP, gen_length=self.gen_length, block_length=self.block_length,
                            steps=self.steps, temperature=self.temperature, remasking=self.remasking,
-                           cfg_scale=self.cfg_scale, generators=generators, max_length=max_length)
+                           cfg_scale=self.cfg_scale, threshold=self.threshold, factor=self.factor,
+                           random_first=self.random_first, generators=generators, max_length=max_length)
         return sample_causal(self.model, ids_BP, mask_BP, max_new_tokens=self.gen_length, eos_id=self.eos_id,
                              temperature=self.temperature, generators=generators)
 

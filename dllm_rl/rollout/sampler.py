@@ -47,15 +47,24 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Ten
 
 
 def check_sampler_settings(gen_length: int = 64, block_length: int = 32, steps: int = 64, temperature: float = 0.0,
-                           remasking: str = "low_confidence", cfg_scale: float = 0.0, key: str = "rollout") -> int:
+                           remasking: str = "low_confidence", cfg_scale: float = 0.0, threshold: float | None = None,
+                           factor: float | None = None, random_first: bool = False, key: str = "rollout") -> int:
     """The sampler's settings by name, type and range, before any model is loaded (`key` prefixes the names in
     errors); returns the number of blocks."""
     check_types(check_sampler_settings, dict(gen_length=gen_length, block_length=block_length, steps=steps,
-                                             temperature=temperature, remasking=remasking, cfg_scale=cfg_scale), key)
+                                             temperature=temperature, remasking=remasking, cfg_scale=cfg_scale,
+                                             threshold=threshold, factor=factor, random_first=random_first), key)
     check_ranges(dict(gen_length=gen_length, block_length=block_length, steps=steps), dict.fromkeys(
         ("gen_length", "block_length", "steps"), "at_least_1"), key)
-    check_ranges(dict(temperature=temperature, cfg_scale=cfg_scale), dict.fromkeys(("temperature", "cfg_scale"),
-                                                                                    "non_negative"), key)
+    check_ranges(dict(temperature=temperature, cfg_scale=cfg_scale, factor=factor),
+                 dict.fromkeys(("temperature", "cfg_scale"), "non_negative") | {"factor": "positive"}, key)
+    require(threshold is None or (0 < threshold <= 1),
+            f"{key}.threshold={threshold!r}: expected a probability in (0, 1] (or null: the fixed schedule)")
+    require(threshold is None or factor is None,
+            f"{key}.threshold and {key}.factor are two rules for parallel decoding; set one of them")
+    require((threshold is None and factor is None) or remasking == "low_confidence",
+            f"{key}.threshold / {key}.factor commit the most confident tokens: they need "
+            f"{key}.remasking=low_confidence, got {remasking!r}")
     require(gen_length % block_length == 0,
             f"gen_length={gen_length} must be a multiple of block_length={block_length}")
     num_blocks = gen_length // block_length
@@ -65,11 +74,11 @@ def check_sampler_settings(gen_length: int = 64, block_length: int = 32, steps: 
     return num_blocks
 
 
-def check_sampler_args(gen_length: int, block_length: int, steps: int, prompt_length: int,
-                       max_length: int | None, temperature: float, remasking: str, cfg_scale: float) -> int:
+def check_sampler_args(prompt_length: int, max_length: int | None, **settings) -> int:
     """Validate the settings and the context they need for a prompt of `prompt_length`; returns the number of
     blocks."""
-    num_blocks = check_sampler_settings(gen_length, block_length, steps, temperature, remasking, cfg_scale)
+    num_blocks = check_sampler_settings(**settings)
+    gen_length = settings["gen_length"]
     require(max_length is None or prompt_length + gen_length <= max_length,
             f"prompt of {prompt_length} tokens + gen_length={gen_length} exceeds the model's context of {max_length}")
     return num_blocks
@@ -95,6 +104,37 @@ def gumbel_argmax(logits_BCV: torch.Tensor, temperature: float, generators) -> t
     return (logits64 + temperature * gumbel).argmax(-1)
 
 
+def parallel_commits(prob_BC: torch.Tensor, eligible_BC: torch.Tensor, threshold: float | None,
+                     factor: float | None) -> torch.Tensor:
+    """Which eligible positions to commit in one step of parallel decoding (Fast-dLLM, arXiv 2505.22618):
+    every one whose confidence reaches `threshold`, or, by the factor rule, the n most confident where n is the
+    largest with (n + 1)(1 - c_n) < `factor` (c_n the n-th highest confidence). Always at least the most
+    confident one of a row that has any, so decoding always progresses."""
+    confidence_BC = prob_BC.masked_fill(~eligible_BC, -1.0)
+    if threshold is not None:
+        chosen_BC = eligible_BC & (prob_BC >= threshold)
+    else:
+        sorted_BC, order_BC = confidence_BC.sort(dim=-1, descending=True, stable=True)
+        rank_C = torch.arange(1, prob_BC.shape[1] + 1, device=prob_BC.device, dtype=prob_BC.dtype)
+        count_B1 = ((rank_C + 1) * (1 - sorted_BC) < factor).logical_and(sorted_BC >= 0).sum(-1, keepdim=True)
+        chosen_BC = torch.zeros_like(eligible_BC).scatter(1, order_BC, rank_C[None].long() <= count_B1)
+    top_B = confidence_BC.argmax(-1)
+    any_B = eligible_BC.any(-1)
+    chosen_BC[any_B, top_B[any_B]] = True
+    return chosen_BC & eligible_BC
+
+
+def random_commit(eligible_BC: torch.Tensor, generators) -> torch.Tensor:
+    """One eligible position per row, uniformly at random from the row's generator (single-step random
+    initialisation: the first commit of a rollout is not the most confident one, which keeps parallel
+    decoding exploring)."""
+    u_BC = torch.stack([torch.rand(eligible_BC.shape[1], generator=g, dtype=torch.float64) for g in generators])
+    pick_B = u_BC.to(eligible_BC.device).masked_fill(~eligible_BC, -1.0).argmax(-1)
+    chosen_BC = torch.zeros_like(eligible_BC)
+    chosen_BC[torch.arange(len(pick_B)), pick_B] = True
+    return chosen_BC & eligible_BC
+
+
 @torch.no_grad()
 def denoise(
     policy: DiffusionPolicy,
@@ -107,18 +147,28 @@ def denoise(
     temperature: float = 0.0,
     remasking: str = "low_confidence",
     cfg_scale: float = 0.0,
+    threshold: float | None = None,
+    factor: float | None = None,
+    random_first: bool = False,
     generators: Sequence[torch.Generator] | None = None,
     schedule: MaskingSchedule | None = None,
     max_length: int | None = None,
 ) -> Samples:
-    """Fill a window of `gen_length` masks after each prompt; see the module docstring."""
+    """Fill a window of `gen_length` masks after each prompt; see the module docstring. With `threshold` or
+    `factor` each block takes as many steps as its confident tokens allow (`steps` is not used; at most
+    `block_length` per block); `random_first` commits one random position per row at the first step."""
     B, P = prompt_ids_BP.shape
-    num_blocks = check_sampler_args(gen_length, block_length, steps, P, max_length, temperature, remasking, cfg_scale)
-    if temperature > 0 or remasking == "random":
+    settings = dict(gen_length=gen_length, block_length=block_length, steps=steps, temperature=temperature,
+                    remasking=remasking, cfg_scale=cfg_scale, threshold=threshold, factor=factor,
+                    random_first=random_first)
+    num_blocks = check_sampler_args(P, max_length, **settings)
+    if temperature > 0 or remasking == "random" or random_first:
         if generators is None or len(generators) != B:
-            raise ConfigError(f"sampling with temperature={temperature}, remasking={remasking!r} needs one "
-                              f"torch.Generator per row ({B}), got {None if generators is None else len(generators)}")
+            raise ConfigError(f"sampling with temperature={temperature}, remasking={remasking!r}, random_first="
+                              f"{random_first} needs one torch.Generator per row ({B}), got "
+                              f"{None if generators is None else len(generators)}")
     schedule = schedule or MaskingSchedule()
+    parallel = threshold is not None or factor is not None
     steps_per_block = steps // num_blocks
     device = prompt_ids_BP.device
     if prompt_mask_BP is None:
@@ -130,35 +180,49 @@ def denoise(
     is_prompt_BL[:, :P] = prompt_mask_BP.bool()
     unmask_step_BC = torch.full((B, gen_length), -1, dtype=torch.long, device=device)
     confidence_BC = torch.zeros((B, gen_length), dtype=torch.float32, device=device)
-
+    step = 0
     for block in range(num_blocks):
         lo, hi = block * block_length, (block + 1) * block_length
+        in_block_C = torch.zeros(gen_length, dtype=torch.bool, device=device)
+        in_block_C[lo:hi] = True
         num_masked_B = (x_BL[:, P + lo : P + hi] == mask_id).sum(-1)
         transfer_BS = schedule.num_transfer_tokens(num_masked_B, steps_per_block).to(device)
-        for i in range(steps_per_block):
-            step = block * steps_per_block + i
+        for i in range(block_length if parallel else steps_per_block):
             window_BC = x_BL[:, P:]
-            is_masked_BC = window_BC == mask_id
+            eligible_BC = (window_BC == mask_id) & in_block_C  # masked tokens of the current block compete
+            if parallel and not eligible_BC.any():
+                break
             logits_BCV = guided_logits(policy, x_BL, attention_mask_BL, is_prompt_BL, cfg_scale)[:, P:]
             # Never predict the mask token itself (LLaDA relies on the trained model never doing so).
             logits_BCV = logits_BCV.clone()
             logits_BCV[..., mask_id] = float("-inf")
             x0_BC = gumbel_argmax(logits_BCV, temperature, generators)
             prob_BC = F.softmax(logits_BCV.double(), dim=-1).gather(-1, x0_BC[..., None]).squeeze(-1)
-            if remasking == "low_confidence":
-                score_BC = prob_BC.clone()
+            if random_first and step == 0:
+                chosen_BC = random_commit(eligible_BC, generators)
+            elif parallel:
+                chosen_BC = parallel_commits(prob_BC, eligible_BC, threshold, factor)
             else:
-                score_BC = torch.stack([torch.rand(gen_length, generator=g, dtype=torch.float64) for g in generators])
-            # Only masked tokens of the current block compete for the k slots of this step.
-            in_block_C = torch.zeros(gen_length, dtype=torch.bool, device=device)
-            in_block_C[lo:hi] = True
-            score_BC = score_BC.masked_fill(~(is_masked_BC & in_block_C), float("-inf"))
-            ranks_BC = score_BC.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
-            chosen_BC = ranks_BC < transfer_BS[:, i : i + 1]
+                chosen_BC = scheduled_commits(prob_BC, eligible_BC, transfer_BS[:, i : i + 1], remasking, generators)
             x_BL[:, P:] = torch.where(chosen_BC, x0_BC, window_BC)
             unmask_step_BC[chosen_BC] = step
             confidence_BC[chosen_BC] = prob_BC[chosen_BC].float()
-    return Samples(x_BL, attention_mask_BL, P, unmask_step_BC, confidence_BC)
+            step += 1
+    return Samples(x_BL, attention_mask_BL, P, unmask_step_BC, confidence_BC, forwards=step * (2 if cfg_scale else 1))
+
+
+def scheduled_commits(prob_BC: torch.Tensor, eligible_BC: torch.Tensor, transfer_B1: torch.Tensor, remasking: str,
+                      generators) -> torch.Tensor:
+    """LLaDA's rule: the k eligible positions with the highest confidence (or random scores), k from the
+    masking schedule."""
+    if remasking == "low_confidence":
+        score_BC = prob_BC.clone()
+    else:
+        score_BC = torch.stack([torch.rand(prob_BC.shape[1], generator=g, dtype=torch.float64) for g in generators])
+        score_BC = score_BC.to(prob_BC.device)
+    score_BC = score_BC.masked_fill(~eligible_BC, float("-inf"))
+    ranks_BC = score_BC.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+    return ranks_BC < transfer_B1
 
 
 def first_eos(completion_BC: torch.Tensor, eos_id: int | None) -> torch.Tensor:
