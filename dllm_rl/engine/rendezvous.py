@@ -98,7 +98,7 @@ class RollCall:
             self.raise_failures()
             if time.monotonic() > deadline:
                 missing = [r for r in range(self.size) if not self.store.check([f"{n}/{r}"])]
-                self.stopped()
+                self.stopped(expected=self.size - len(missing))  # the missing ones will not say so
                 raise RankFailed(f"{ranks(missing)} did not reach {point} within deepspeed.timeout_s="
                                  f"{self.timeout_s:g}s ({absent}); rank {self.rank} stops too")
             time.sleep(wait)
@@ -131,11 +131,13 @@ class RollCall:
         self.stopped()
         return None
 
-    def stopped(self) -> None:
-        """Count this rank as stopped; rank 0, which hosts the store, waits (bounded) until all ranks have."""
+    def stopped(self, expected: int | None = None) -> None:
+        """Count this rank as stopped; rank 0, which hosts the store, waits (bounded) until the `expected` ranks
+        (all by default) have, so none loses the store before it has read why."""
         count = self.store.add("stopped", 1)
+        expected = self.size if expected is None else expected
         deadline, wait = time.monotonic() + self.timeout_s, POLL_S[0]
-        while self.hosting and count < self.size and time.monotonic() < deadline:
+        while self.hosting and count < expected and time.monotonic() < deadline:
             time.sleep(wait)
             wait = min(2 * wait, POLL_S[1])
             count = self.store.add("stopped", 0)
