@@ -50,15 +50,7 @@ class Counting:
         samples = self.generator.sample(prompts, seeds)
         self.row_forwards += samples.forwards * len(prompts)  # each row rides along every forward of its batch
         self.tokens += samples.completion_BC.numel()
-        return completions(self.generator, samples)
-
-
-def completions(generator: TextGenerator, samples):
-    from dllm_rl.rollout.generate import Completion
-    from dllm_rl.rollout.sampler import completion_texts, first_eos
-
-    texts = completion_texts(generator.tokenizer, samples.completion_BC, generator.eos_id)
-    return [Completion(t, n) for t, n in zip(texts, first_eos(samples.completion_BC, generator.eos_id).tolist())]
+        return self.generator.completions(samples)
 
 
 def main() -> None:

@@ -8,8 +8,9 @@ assumes of a checkpoint:
 - `llada`: loaded with `AutoModel.from_pretrained(path, trust_remote_code=True)` (GSAI-ML/LLaDA-8B-*).
   `model(input_ids=...)` returns an object with `.logits` of shape (B, L, V), unshifted. Its code ignores the
   attention mask and numbers positions from 0 whatever the padding, so a padded batch runs one span of real
-  tokens at a time (`by_real_span`): every adapter's logits for a row are independent of its batch. The mask id is `config.mask_token_id` (126336 for LLaDA-8B), else the tokenizer's
-  `mask_token_id`, else the id of `<|mdm_mask|>`.
+  tokens at a time (`by_real_span`): every adapter's logits for a row are independent of its batch. The mask
+  id is `config.mask_token_id` (126336 for LLaDA-8B), else the tokenizer's `mask_token_id`, else the id of
+  `<|mdm_mask|>`.
 - `dream`: loaded the same way (Dream-org/Dream-v0-*-7B). Its logits are shifted like an AR model's:
   position i holds the prediction for token i + 1, so the adapter moves them right by one (position 0 keeps
   its own row, which only ever belongs to the prompt). It takes a 4-D boolean attention mask (B, 1, L, L)
@@ -38,8 +39,8 @@ from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModel
 
 from dllm_rl.data.tokenizers import load_tokenizer
-from dllm_rl.policy.compat import load_remote_model
 from dllm_rl.errors import ConfigError, pick, require
+from dllm_rl.policy.compat import load_remote_model
 
 
 def native_logits(model, ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor | None) -> torch.Tensor:

@@ -69,7 +69,10 @@ class TextGenerator:
                              temperature=self.temperature, generators=generators)
 
     def __call__(self, prompts: Sequence[str], seeds: Sequence[int]) -> list[Completion]:
-        samples = self.sample(prompts, seeds)
+        return self.completions(self.sample(prompts, seeds))
+
+    def completions(self, samples: Samples) -> list[Completion]:
+        """Each row's text up to its first EOS, and its length in tokens."""
         texts = completion_texts(self.tokenizer, samples.completion_BC, self.eos_id)
         lengths = first_eos(samples.completion_BC, self.eos_id).tolist()
         return [Completion(t, n) for t, n in zip(texts, lengths)]
