@@ -43,6 +43,7 @@ class Rows:
     version: int  # policy version (step) that made the rows; -1 for an external policy
     estimator: Estimator  # what these rows are scored with
     behaviour_logp_N: torch.Tensor | None = None  # log mu(y|x) of the policy that wrote them, where known
+    sampler_logp_NC: torch.Tensor | None = None  # the sampler's log-prob of each token as it committed it (dLLM)
     adv_N: torch.Tensor | None = None
     weight_N: torch.Tensor | None = None  # loss weight per row (None = 1)
     shaped: bool = False  # LUFFY policy shaping instead of the clipped surrogate
@@ -57,7 +58,7 @@ class Rows:
 
     @property
     def rewards_N(self) -> torch.Tensor:
-        return torch.tensor([r.score for r in self.rewards], dtype=torch.float32)
+        return torch.tensor([r.score for r in self.rewards], dtype=torch.float32, device=self.ids_NL.device)
 
     @property
     def lengths_N(self) -> torch.Tensor:
@@ -65,13 +66,13 @@ class Rows:
 
     def score(self, policy, rows: torch.Tensor, iteration: int):
         """(logp, level_mask) of `rows` under `policy`, with the stored mask seeds of `iteration`."""
-        seeds = [self.mask_seeds[iteration][int(r)] for r in rows]
+        seeds = [self.mask_seeds[iteration][r] for r in rows.tolist()]
         order = None if self.order_NC is None else self.order_NC[rows]
         return self.estimator.score(policy, self.ids_NL[rows], self.attention_mask_NL[rows], self.prompt_length,
                                     seeds, order, self.mask_NC[rows])
 
     def score_all(self, policy, iteration: int) -> torch.Tensor:
-        return self.score(policy, torch.arange(len(self)), iteration)[0]
+        return self.score(policy, torch.arange(len(self), device=self.ids_NL.device), iteration)[0]
 
 
 def minibatch_plan(sizes: list[int], num_minibatches: int, mix: str, generator: torch.Generator) -> list[list[torch.Tensor]]:
@@ -81,11 +82,13 @@ def minibatch_plan(sizes: list[int], num_minibatches: int, mix: str, generator: 
     same share of every source. "mixed": all rows are shuffled together and split, so shares vary."""
     pick({m: m for m in MINIBATCH_MIXES}, mix, "mixing.minibatch_mix")
     if mix == "stratified":
-        chunks = [torch.tensor_split(torch.randperm(n, generator=generator), num_minibatches) for n in sizes]
+        chunks = [torch.tensor_split(torch.randperm(n, generator=generator, device=generator.device), num_minibatches)
+                  for n in sizes]
         return [[chunks[p][k] for p in range(len(sizes))] for k in range(num_minibatches)]
-    offsets = torch.tensor([0] + sizes).cumsum(0)
+    offsets = torch.tensor([0] + sizes, device=generator.device).cumsum(0)
     plan = []
-    for chunk in torch.tensor_split(torch.randperm(sum(sizes), generator=generator), num_minibatches):
+    for chunk in torch.tensor_split(torch.randperm(sum(sizes), generator=generator, device=generator.device),
+                                    num_minibatches):
         plan.append([chunk[(chunk >= offsets[p]) & (chunk < offsets[p + 1])] - offsets[p] for p in range(len(sizes))])
     return plan
 
@@ -107,20 +110,20 @@ def loss_inputs(parts: list[Rows], picks: list[torch.Tensor], policy, iteration:
     an empty minibatch; such a row adds nothing to the loss or to its normaliser (`aggregation_units`)."""
     pieces = []
     for part, rows in zip(parts, picks):
+        device = part.adv_N.device
         inert = len(rows) == 0
         if inert and not pad_empty:
             continue
-        if inert:
-            rows = torch.zeros(1, dtype=torch.long)
+        rows = torch.zeros(1, dtype=torch.long, device=device) if inert else rows.to(device)
         logp, level_mask = part.score(policy, rows, iteration)
         if inert:
             level_mask = torch.zeros_like(level_mask)
         old = logp.detach() if reuse_current else part.old_logp[iteration][rows]
         ref = part.ref_logp[iteration][rows] if part.ref_logp and part.ref_logp[iteration] is not None else None
-        weight = part.weight_N[rows] if part.weight_N is not None else torch.ones(len(rows))
+        weight = part.weight_N[rows] if part.weight_N is not None else torch.ones(len(rows), device=device)
         weight = weight * (0.0 if inert else 1.0)
         pieces.append((logp.float(), old.float(), None if ref is None else ref.float(), part.adv_N[rows],
-                       level_mask, weight, torch.full((len(rows),), part.shaped)))
+                       level_mask, weight, torch.full((len(rows),), part.shaped, device=device)))
     width = max(p[0].shape[1] for p in pieces)
     logp, old, ref, adv, mask, weight, shaped = zip(*pieces)
     has_ref = all(r is not None for r in ref)

@@ -190,7 +190,7 @@ def load_trainer_state(path: Path, engine: Engine, scheduler) -> dict[str, Any]:
     if not (path / CHECKPOINT_TAG).is_dir():
         raise ConfigError(f"{path} has no {CHECKPOINT_TAG}/ states (written by an older dllm-rl?); start a new run "
                           f"from its model directory with model={path}")
-    saved = torch.load(path / "trainer_state.pt", weights_only=True)
+    saved = torch.load(path / "trainer_state.pt", weights_only=True, map_location="cpu")
     if (saved["stage"], saved["world_size"]) != (engine.stage, engine.world.size):
         raise ConfigError(
             f"{path} was written at ZeRO stage {saved['stage']} with {saved['world_size']} rank(s); this run has "

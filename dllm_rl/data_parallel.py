@@ -46,7 +46,7 @@ def stand_in(like: Rows, source: str, estimator: Estimator) -> Rows:
     weight 0, advantage 0): what a rank scores for a source only other ranks have rows of."""
     return Rows(source, like.ids_NL[:1], like.attention_mask_NL[:1], like.prompt_length,
                 torch.zeros_like(like.mask_NC[:1]), None, like.prompt_N[:1], like.rewards[:1], like.texts[:1],
-                like.version, estimator, adv_N=torch.zeros(1), weight_N=torch.zeros(1), inert=True)
+                like.version, estimator, adv_N=like.mask_NC.new_zeros(1), weight_N=like.mask_NC.new_zeros(1), inert=True)
 
 
 def rank_plan(global_sizes: Sequence[int], starts: Sequence[int], local_sizes: Sequence[int], num_minibatches: int,

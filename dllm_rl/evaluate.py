@@ -111,7 +111,7 @@ def write_results(output_dir: str, summaries: dict[str, dict], records: Sequence
 def run_eval(task: Task, *, model: str, kind: str = "auto", dtype: str = "float32", rollout: dict[str, Any],
              num_prompts: int | None = 100, num_samples: int = 1, batch_size: int = 32, seed: int = 0, split: str = "test",
              chat: bool = True, output_dir: str | None = None, trust_remote_code: bool = False,
-             print_fn=print) -> dict[str, float]:
+             device: str = "auto", print_fn=print) -> dict[str, float]:
     """`dllm-rl eval`: load `model`, evaluate it on `task`, write samples.jsonl and summary.json."""
     from dllm_rl.data.task import SPLITS, describe_splits
     from dllm_rl.rollout.generate import load_generator
@@ -122,7 +122,8 @@ def run_eval(task: Task, *, model: str, kind: str = "auto", dtype: str = "float3
     note = describe_splits(task, needed=(split,))  # before the model loads
     if note:
         print_fn(note)
-    generator = load_generator(model, kind=kind, dtype=dtype, trust_remote_code=trust_remote_code, **rollout)
+    generator = load_generator(model, kind=kind, dtype=dtype, trust_remote_code=trust_remote_code, device=device,
+                               **rollout)
     summary, records = evaluate_task(
         generator, task, num_prompts=num_prompts, num_samples=num_samples, batch_size=batch_size, seed=seed,
         split=split, tokenizer=generator.tokenizer if chat else None, source=model, print_fn=print_fn)

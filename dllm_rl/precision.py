@@ -4,7 +4,8 @@ bf16 autocast pays only where the CPU multiplies bf16 natively. With AVX512 (AVX
 AVX512 path) bf16 matmuls run 2-6x faster than fp32; on an AVX2-only CPU torch falls back to a bf16 kernel
 about 100x slower than fp32 (measured on a 2-core AMD EPYC: 1 GFLOP/s against 87 for a 256x2048x768 matmul).
 `auto` therefore turns autocast on where oneDNN reports bf16 support and off elsewhere, so one config is fast
-on both kinds of machine. The two precisions give results that differ in the last bits; `true` / `false`
+on both kinds of machine. On a GPU, `auto` turns it on where the GPU computes in bf16 (Ampere and later:
+`torch.cuda.is_bf16_supported()`). The two precisions give results that differ in the last bits; `true` / `false`
 pin one.
 """
 
@@ -23,7 +24,11 @@ def native_bf16() -> bool:
         return False
 
 
-def resolve_bf16(value: bool | str) -> bool:
-    """`bf16` as the user gave it (true, false or "auto") -> whether to autocast."""
+def resolve_bf16(value: bool | str, device: torch.device | str = "cpu") -> bool:
+    """`bf16` as the user gave it (true, false or "auto") -> whether to autocast on `device`."""
     require(isinstance(value, bool) or value == "auto", f"bf16 must be one of true, false or auto, got {value!r}")
-    return native_bf16() if value == "auto" else value
+    if value != "auto":
+        return value
+    if torch.device(device).type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return native_bf16()

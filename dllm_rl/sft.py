@@ -24,6 +24,7 @@ from dllm_rl.errors import ConfigError, check_ranges, require
 from dllm_rl.optim import lr_factor
 from dllm_rl.policy.adapters import DiffusionPolicy
 from dllm_rl.policy.schedule import MaskingSchedule
+from dllm_rl.device import autocast as autocast_on, resolve_device
 from dllm_rl.precision import resolve_bf16
 from dllm_rl.rollout.sampler import left_pad
 
@@ -74,23 +75,24 @@ def drop_overlong(examples: Sequence[SFTExample], tokenizer, gen_length: int, pr
 # ------------------------------------------------------------------------------------------- batches
 
 
-def diffusion_batch(tokenizer, examples: Sequence[SFTExample], gen_length: int):
-    """(ids_BL, attention_mask_BL, prompt_length): left-padded prompts, then a window of `gen_length`
-    holding the completion and EOS fill. Completions longer than the window are an error."""
+def diffusion_batch(tokenizer, examples: Sequence[SFTExample], gen_length: int, device: torch.device | str = "cpu"):
+    """(ids_BL, attention_mask_BL, prompt_length) on `device`: left-padded prompts, then a window of
+    `gen_length` holding the completion and EOS fill. Completions longer than the window are an error."""
     prompts = [tokenizer(e.prompt, add_special_tokens=False)["input_ids"] for e in examples]
-    ids_BP, mask_BP = left_pad(prompts, tokenizer.pad_token_id)
-    window = torch.full((len(examples), gen_length), tokenizer.eos_token_id, dtype=torch.long)
-    for row, e in enumerate(examples):
+    ids_BP, mask_BP = left_pad(prompts, tokenizer.pad_token_id, device)
+    windows = []
+    for e in examples:
         ids = tokenizer(e.completion, add_special_tokens=False)["input_ids"]
         require(len(ids) <= gen_length,
                 f"completion of {len(ids)} tokens does not fit gen_length={gen_length}: {e.completion[:60]!r}")
-        window[row, : len(ids)] = torch.as_tensor(ids)
+        windows.append(ids + [tokenizer.eos_token_id] * (gen_length - len(ids)))
+    window = torch.tensor(windows, dtype=torch.long, device=device).view(len(examples), gen_length)
     return (torch.cat([ids_BP, window], 1), torch.cat([mask_BP, torch.ones_like(window)], 1), ids_BP.shape[1])
 
 
-def causal_batch(tokenizer, examples: Sequence[SFTExample]):
-    """(ids_BL, attention_mask_BL, labels_BL): right-padded prompt + completion + EOS; labels only on
-    the completion and its EOS (-100 elsewhere)."""
+def causal_batch(tokenizer, examples: Sequence[SFTExample], device: torch.device | str = "cpu"):
+    """(ids_BL, attention_mask_BL, labels_BL) on `device`: right-padded prompt + completion + EOS; labels only
+    on the completion and its EOS (-100 elsewhere)."""
     rows, labels = [], []
     for e in examples:
         p = tokenizer(e.prompt, add_special_tokens=False)["input_ids"]
@@ -98,14 +100,11 @@ def causal_batch(tokenizer, examples: Sequence[SFTExample]):
         rows.append(p + c)
         labels.append([-100] * len(p) + c)
     width = max(map(len, rows))
-    ids_BL = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-    labels_BL = torch.full((len(rows), width), -100, dtype=torch.long)
-    mask_BL = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, (r, lab) in enumerate(zip(rows, labels)):
-        ids_BL[i, : len(r)] = torch.as_tensor(r)
-        labels_BL[i, : len(r)] = torch.as_tensor(lab)
-        mask_BL[i, : len(r)] = 1
-    return ids_BL, mask_BL, labels_BL
+
+    def padded(lists, fill):
+        return torch.tensor([r + [fill] * (width - len(r)) for r in lists], dtype=torch.long, device=device)
+
+    return padded(rows, tokenizer.pad_token_id), padded([[1] * len(r) for r in rows], 0), padded(labels, -100)
 
 
 # ------------------------------------------------------------------------------------------- losses
@@ -159,18 +158,21 @@ def train_sft(
     seed: int = 0,
     bf16: bool | str = "auto",
     log_every: int = 100,
+    device: torch.device | str = "cpu",
     print_fn=print,
 ) -> list[dict[str, Any]]:
-    """AdamW with warmup + cosine decay over `steps` minibatches drawn from `examples`; returns the log."""
+    """AdamW with warmup + cosine decay over `steps` minibatches drawn from `examples`; returns the log. The
+    masking noise comes from one generator on `device`, where the model runs."""
     require(steps > 0 and batch_size > 0, f"steps and batch_size must be positive, got {steps}, {batch_size}")
     require(len(examples) >= batch_size, f"need at least batch_size={batch_size} examples, got {len(examples)}")
     params = [p for p in parameters if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
     rng = random.Random(seed)
-    generator = torch.Generator().manual_seed(seed)
+    device = torch.device(device)
+    generator = torch.Generator(device=device).manual_seed(seed)
     log, running, start = [], [], time.perf_counter()
-    use_bf16 = resolve_bf16(bf16)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16)
+    use_bf16 = resolve_bf16(bf16, device)
+    autocast = autocast_on(device, use_bf16)
     bar = tqdm(range(steps), desc="sft", unit="step", disable=None)
     for step in bar:
         for group in optimizer.param_groups:
@@ -197,8 +199,9 @@ def train_sft(
 def run_sft(task: Task, *, model: str, kind: str = "auto", output_dir: str = "runs/sft", examples: int = 5000,
             with_steps: bool = True, gen_length: int = 64, weighting: str = "elbo", steps: int = 200,
             batch_size: int = 32, lr: float = 1e-4, warmup: int = 20, seed: int = 0, bf16: bool | str = "auto",
-            trust_remote_code: bool = False, print_fn=print) -> list[dict[str, Any]]:
-    """`dllm-rl sft`: fine-tune a local dLLM (masked-diffusion SFT) or causal LM (causal SFT), save it."""
+            trust_remote_code: bool = False, device: str = "auto", print_fn=print) -> list[dict[str, Any]]:
+    """`dllm-rl sft`: fine-tune a local dLLM (masked-diffusion SFT) or causal LM (causal SFT) on `device`, save
+    it."""
     from dllm_rl.rollout.generate import load_generator
 
     check_ranges(dict(examples=examples, gen_length=gen_length, steps=steps, batch_size=batch_size, lr=lr, warmup=warmup),
@@ -206,7 +209,8 @@ def run_sft(task: Task, *, model: str, kind: str = "auto", output_dir: str = "ru
                   "warmup": "non_negative"})
     require(weighting in ("elbo", "masked_mean"), f"weighting must be 'elbo' or 'masked_mean', got {weighting!r}")
     resolve_bf16(bf16)
-    loaded = load_generator(model, kind=kind, trust_remote_code=trust_remote_code)
+    device = resolve_device(device)
+    loaded = load_generator(model, kind=kind, trust_remote_code=trust_remote_code, device=device)
     tokenizer, net = loaded.tokenizer, loaded.model
     data = solver_examples(task, examples, seed, with_steps=with_steps)
     if loaded.is_diffusion:
@@ -214,19 +218,19 @@ def run_sft(task: Task, *, model: str, kind: str = "auto", output_dir: str = "ru
         data = drop_overlong(data, tokenizer, gen_length, print_fn)
 
         def loss_fn(batch, generator):
-            ids, mask, prompt_length = diffusion_batch(tokenizer, batch, gen_length)
+            ids, mask, prompt_length = diffusion_batch(tokenizer, batch, gen_length, device)
             return diffusion_sft_loss(net, ids, mask, prompt_length, schedule, generator, weighting)
 
         module = net.model
     else:
         def loss_fn(batch, generator):
-            ids, mask, labels = causal_batch(tokenizer, batch)
+            ids, mask, labels = causal_batch(tokenizer, batch, device)
             return causal_sft_loss(net, ids, mask, labels)
 
         module = net
     module.train()
     log = train_sft(loss_fn, module.parameters(), data, steps=steps, batch_size=batch_size, lr=lr, warmup=warmup,
-                    seed=seed, bf16=bf16, print_fn=print_fn)
+                    seed=seed, bf16=bf16, device=device, print_fn=print_fn)
     module.eval()
     module.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)

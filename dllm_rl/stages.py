@@ -1,7 +1,7 @@
 """The stages of one RL step, each testable alone, with a `StepBatch` of plain data flowing between them.
 
-    choose prompts -> generate -> verify -> external rollouts -> advantages -> old/ref log-probs -> update
-    -> metrics (the checkpoint is the loop's)
+    choose prompts -> generate -> verify -> external rollouts -> advantages -> old/ref log-probs
+    -> (sampler correction) -> update -> metrics (the checkpoint is the loop's)
 
 | stage              | here                        | reads                          | writes                              |
 |--------------------|-----------------------------|--------------------------------|-------------------------------------|
@@ -11,6 +11,7 @@
 | external rollouts  | `ExternalRollouts` (ERILS)  | prompts, on-policy correctness | rows["external"], external/* metrics|
 | advantages         | `assign_advantages`         | rewards                        | adv_N (and external weights)        |
 | old/ref log-probs  | `score_old_and_reference`   | rows, their shards             | mask seeds, old_logp, ref_logp      |
+| sampler correction | `SamplerCorrectionStage`    | on-policy rows, sampler logp   | their loss weights, correction/*    |
 | update             | `Learner.update`            | every row                      | the weights; loss and policy metrics|
 | metrics            | `step_metrics`              | the batch                      | the step's metrics (over ranks)     |
 
@@ -36,6 +37,7 @@ from typing import Any, Callable, ContextManager
 import torch
 
 from dllm_rl.algo.advantages import compute_advantages
+from dllm_rl.algo.correction import SamplerCorrection, correction_weights, rollout_log_ratio
 from dllm_rl.algo.losses import aggregation_units, grpo_loss
 from dllm_rl.buffer import Rows, loss_inputs
 from dllm_rl.data.task import Example, Task, render_prompt
@@ -44,7 +46,7 @@ from dllm_rl.engine import Engine
 from dllm_rl.errors import RunStopped, require
 from dllm_rl.evaluate import evaluate_task
 from dllm_rl.external.mixer import local_only
-from dllm_rl.likelihood.estimators import Estimator
+from dllm_rl.likelihood.estimators import Estimator, build_estimator
 from dllm_rl.rollout.diversity import distinct_share, pairwise_agreement
 from dllm_rl.rollout.sampler import completion_mask, completion_texts
 from dllm_rl.seeds import derive_seed
@@ -138,9 +140,9 @@ class InProcessRollouts:
                               "rollout/agreement": pairwise_agreement(samples.completion_BC, G)})
         return Rows("on_policy", samples.sequences_BL, samples.attention_mask_BL, samples.prompt_length,
                     completion_mask(samples.completion_BC, eos_id), samples.unmask_step_BC,
-                    torch.arange(len(batch.examples)).repeat_interleave(G), [],
+                    torch.arange(len(batch.examples), device=samples.sequences_BL.device).repeat_interleave(G), [],
                     completion_texts(tokenizer, samples.completion_BC, eos_id), version=batch.step,
-                    estimator=self.estimator)
+                    estimator=self.estimator, sampler_logp_NC=samples.confidence_BC.clamp(min=1e-30).log())
 
 
 def verify(batch: StepBatch, task: Task) -> None:
@@ -166,16 +168,18 @@ class ExternalRollouts:
     seed: int
     dp: DataParallel
     autocast: ContextManager
+    device: torch.device  # the policy's: where the external rows are made
 
     def __call__(self, batch: StepBatch) -> None:
         on = batch.rows["on_policy"]
+        # cpu: the trigger is decided in Python from these flags and seeded CPU uniforms
         correct_BG = torch.tensor([r.correct for r in on.rewards]).view(len(batch.examples), -1)
         with self.autocast:
             rows, metrics = self.mixer.rows(step=batch.step, seed=self.seed, task=self.task, examples=batch.examples,
                                             prompt_texts=batch.prompt_texts, correct_BG=correct_BG,
                                             tokenizer=self.tokenizer, window=self.window, eos_id=self.eos_id,
                                             max_length=self.max_length, prompt_offset=batch.prompt_offset,
-                                            widest=self.dp.widest)
+                                            widest=self.dp.widest, device=self.device)
         if rows is not None:
             batch.rows["external"] = rows
         batch.metrics.update(metrics)
@@ -215,6 +219,32 @@ def score_old_and_reference(batch: StepBatch, policy, reference, iterations: int
         batch.metrics.update(mixer.importance_weights(batch.real("external"), dp.gather if dp else local_only))
 
 
+@dataclass
+class SamplerCorrectionStage:
+    """Sparse-RL's correction of the on-policy rollouts (`dllm_rl/algo/correction.py`): the learner's probability
+    of each committed token at the state it was committed from (the `ordered` estimator, in the rollouts'
+    inference context: eval mode and, at ZeRO-3, the gathered parameters, since the number of forwards follows
+    the rank's own rollouts), against the sampler's; rejection and truncated weights into the rows' loss
+    weights."""
+
+    config: SamplerCorrection
+    policy: Any
+    inference: Callable[[], ContextManager]
+
+    def __call__(self, batch: StepBatch) -> None:
+        on = batch.rows["on_policy"]
+        with torch.no_grad(), self.inference():
+            learner_NC = ORDERED.logp(self.policy, on.ids_NL, on.attention_mask_NL, on.prompt_length,
+                                      order_NC=on.order_NC)
+        weight_N, metrics = correction_weights(rollout_log_ratio(learner_NC, on.sampler_logp_NC, on.mask_NC),
+                                               self.config)
+        on.weight_N = weight_N if on.weight_N is None else on.weight_N * weight_N
+        batch.metrics.update(metrics)
+
+
+ORDERED = build_estimator({"name": "ordered", "group": 1})
+
+
 # ------------------------------------------------------------------------------------------ update
 
 
@@ -246,7 +276,8 @@ class Learner:
         aggregation = self.loss_options.get("aggregation", "token")
         losses: list[dict[str, float]] = []
         for it in range(self.iterations) if informative else []:
-            shuffle = torch.Generator().manual_seed(derive_seed(self.seed, "minibatch", batch.step, it))
+            # cpu: the minibatch plan is the same on every device (see dllm_rl/device.py)
+            shuffle = torch.Generator(device="cpu").manual_seed(derive_seed(self.seed, "minibatch", batch.step, it))
             for picks in self.dp.minibatch_plan(parts, self.minibatch_mix, shuffle):
                 with self.autocast:
                     inputs = loss_inputs(parts, picks, self.policy, it, self.reuse_current, pad_empty=self.dp.pads)

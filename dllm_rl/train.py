@@ -41,11 +41,13 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
+from dllm_rl.algo.correction import SamplerCorrection
 from dllm_rl.buffer import Rows
 from dllm_rl.checkpoint import complete_checkpoints, load_trainer_state, resumable_checkpoint, save_checkpoint
 from dllm_rl.data.task import Task, describe_splits
 from dllm_rl.data_parallel import DataParallel
-from dllm_rl.engine import (Engine, World, broadcast_object, deepspeed_config, init_distributed, on_gpu,
+from dllm_rl.device import autocast as autocast_on, default_device
+from dllm_rl.engine import (Engine, World, broadcast_object, deepspeed_config, init_distributed,
                             partitioned_loading, roll_call, stop_together)
 from dllm_rl.errors import ConfigError, Interrupted, require
 from dllm_rl.external.mixer import build_mixer
@@ -56,8 +58,8 @@ from dllm_rl.policy.lora import AdapterOff, add_adapters, enable_gradient_checkp
 from dllm_rl.precision import resolve_bf16
 from dllm_rl.seeds import derive_seed
 from dllm_rl.rollout.generate import TextGenerator
-from dllm_rl.stages import (ExternalRollouts, HeldOut, InProcessRollouts, Learner, PromptSource, StepBatch,
-                            assign_advantages, inference, sample_rows, score_old_and_reference, step_metrics, verify)
+from dllm_rl.stages import (ExternalRollouts, HeldOut, InProcessRollouts, Learner, PromptSource,
+                            SamplerCorrectionStage, StepBatch, assign_advantages, inference, sample_rows, score_old_and_reference, step_metrics, verify)
 from dllm_rl.tracking import NullTracker, PhaseTimer, Tracker, console_line
 from dllm_rl.train_config import TrainConfig, engine_options, split_algo
 
@@ -100,12 +102,6 @@ def starting_point(cfg: TrainConfig, task: Task, world: World) -> tuple[Path, Pa
     return Path(run_dir), None if checkpoint is None else Path(checkpoint)
 
 
-def require_cpu_accelerator() -> None:
-    """The trainer keeps its batches on the CPU; DeepSpeed would move the model to a GPU where there is one."""
-    require(not on_gpu(), "dllm-rl train runs on the CPU for now (its batches are not placed on GPUs yet); this "
-            "machine has a GPU, so set DS_ACCELERATOR=cpu to train on its CPU")
-
-
 @dataclass
 class Learned:
     """The models and optimizer state a run trains, as loaded (or restored from a checkpoint)."""
@@ -119,21 +115,23 @@ class Learned:
 
 
 def load_learner(cfg: TrainConfig, world: World, ds_options: dict[str, Any], checkpoint: Path | None,
-                 with_reference: bool) -> Learned:
+                 with_reference: bool, device: torch.device) -> Learned:
     """Policy, reference (beta > 0: the starting policy, or the checkpoint's synced copy; with LoRA the policy's
-    own network with the adapter off), AdamW over what trains, the LR schedule and the DeepSpeed engine; ZeRO-3
-    loads both models partitioned."""
+    own network with the adapter off), AdamW over what trains, the LR schedule and the DeepSpeed engine, on
+    `device`; ZeRO-3 loads both models partitioned (onto DeepSpeed's device, this rank's GPU)."""
     ds_config = deepspeed_config(**ds_options, grad_clip=cfg.grad_clip, world_size=world.size,
                                  micro_batch_size=-(-cfg.minibatch_size // world.size),
                                  hidden_size=hidden_size_of(cfg.model))
     lora = cfg.lora["r"] > 0
+    place = None if ds_config["zero_optimization"]["stage"] == 3 else device  # ZeRO-3 places its partitions itself
     with partitioned_loading(ds_config):
-        policy, tokenizer = load_policy(cfg.model, trust_remote_code=cfg.trust_remote_code)
+        policy, tokenizer = load_policy(cfg.model, device=place, trust_remote_code=cfg.trust_remote_code)
         reference_net = None
         if with_reference and not lora:
             synced = checkpoint / "reference" if checkpoint is not None else None
             source = synced if synced is not None and synced.is_dir() else cfg.model
-            reference_net = load_policy(str(source), kind=policy.kind, trust_remote_code=cfg.trust_remote_code)[0].model
+            reference_net = load_policy(str(source), kind=policy.kind, device=place,
+                                        trust_remote_code=cfg.trust_remote_code)[0].model
     roll_call("the end of model loading")  # before the engine's collectives
     net = policy.model.train()
     if cfg.gradient_checkpointing:
@@ -170,6 +168,7 @@ class Run:
     advantages: Callable[[StepBatch], None]
     estimators: dict[str, Any]  # the sources this run can have -> the estimator that scores them
     score: Callable[[StepBatch], None]  # mask seeds, old and reference log-probs
+    correct: Callable[[StepBatch], None] | None  # the sampler-learner correction (Sparse-RL), or None
     learner: Learner
     held_out: HeldOut
     mixer: Any  # the ExternalMixer (its running baseline is saved with checkpoints), or None
@@ -180,12 +179,12 @@ def setup(task: Task, cfg: TrainConfig, print_fn, saved_config: dict | None) -> 
     """Check the config, join the process group, load the models and build the stages (or restore them)."""
     advantage, loss_options = split_algo(cfg.algo)
     estimator = build_estimator(cfg.likelihood)
-    mixer = build_mixer(cfg.external, cfg.mixing, estimator)
+    device = default_device()  # this rank's GPU (LOCAL_RANK) where there is one: every stage's tensors go there
+    autocast = autocast_on(device, resolve_bf16(cfg.bf16, device))
+    mixer = build_mixer(cfg.external, cfg.mixing, estimator, device=device)
     if mixer is not None:
         loss_options["shaping_gamma"] = mixer.config.shaping_gamma
     ds_options, timeout_s = engine_options(cfg.deepspeed)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=resolve_bf16(cfg.bf16))
-    require_cpu_accelerator()
     require(not (ds_options.get("stage") == 3 and Path(cfg.model).is_dir() and kind_of(cfg.model) == "llada"),
             f"deepspeed.stage=3 with a LLaDA model ({cfg.model}): its code ignores the attention mask, so padded "
             f"batches run one prompt length at a time and ranks would make different numbers of forwards, which "
@@ -200,7 +199,8 @@ def setup(task: Task, cfg: TrainConfig, print_fn, saved_config: dict | None) -> 
     restart = cfg.resume is not None and checkpoint is None  # stopped before its first checkpoint
     if restart:
         print_fn(f"resume: {run_dir} has no checkpoint yet (it stopped before its first); starting it again")
-    learned = load_learner(cfg, world, ds_options, checkpoint, with_reference=loss_options.get("beta", 0.0) > 0)
+    learned = load_learner(cfg, world, ds_options, checkpoint, with_reference=loss_options.get("beta", 0.0) > 0,
+                           device=device)
     require(not (dp.pads and learned.engine.stage == 3 and mixer is not None and mixer.config.length_rule == "none"),
             f"mixing.length_rule=none with deepspeed stage 3 on {world.size} ranks: a rank without external rows "
             f"scores a stand-in of the dLLM's window while the others score wider rows, so their forwards (and "
@@ -222,6 +222,7 @@ def setup(task: Task, cfg: TrainConfig, print_fn, saved_config: dict | None) -> 
 def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned, state, estimator, mixer, advantage,
                  loss_options, autocast, print_fn) -> Run:
     policy, tokenizer, engine = learned.policy, learned.tokenizer, learned.engine
+    correction = SamplerCorrection(**cfg.sampler_correction)
     prompts = PromptSource(task, tokenizer, dp, cfg.prompts_per_step, cfg.train_pool, cfg.seed, state["data_position"])
     if mixer is not None:
         mixer.check_source(prompts.examples, print_fn)
@@ -230,7 +231,7 @@ def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned,
     greedy = TextGenerator(policy, tokenizer, **{**cfg.sampler, "temperature": 0.0})
     external = None if mixer is None else ExternalRollouts(
         mixer, task, tokenizer, window=sampler.gen_length, eos_id=policy.eos_id,
-        max_length=policy.context_length, seed=cfg.seed, dp=dp, autocast=autocast)
+        max_length=policy.context_length, seed=cfg.seed, dp=dp, autocast=autocast, device=policy.device)
     reuse_current = (cfg.inner_iterations == 1 and dp.num_minibatches == 1
                      and not (mixer is not None and mixer.config.correction == "is"))
     learner = Learner(engine, policy, learned.reference, learned.scheduler, loss_options, cfg.inner_iterations,
@@ -246,6 +247,7 @@ def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned,
         score=functools.partial(score_old_and_reference, policy=policy, reference=learned.reference,
                                 iterations=cfg.inner_iterations, reuse_current=reuse_current, seed=cfg.seed,
                                 autocast=autocast, mixer=mixer, dp=dp),
+        correct=SamplerCorrectionStage(correction, policy, generating) if correction.on else None,
         learner=learner,
         held_out=HeldOut(greedy, sampler, task, tokenizer, cfg.eval_prompts, cfg.eval_samples, cfg.seed, generating),
         mixer=mixer, print_fn=print_fn)
@@ -289,6 +291,8 @@ def run_steps(run: Run) -> dict[str, float]:
             with timer("score"):
                 dp.shard_sources(batch.rows, run.estimators)
                 run.score(batch)
+                if run.correct is not None:
+                    run.correct(batch)
             with timer("update"):
                 update_metrics = learner.update(batch)
             metrics = step_metrics(batch, update_metrics, timer.metrics(), dp)

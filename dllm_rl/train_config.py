@@ -2,8 +2,8 @@
 
 The defaults are those of `configs/train.yaml` (a test composes the YAML and compares), so a script that calls
 `train()` runs the trainer that `dllm-rl train` runs. Each field is documented in the YAML, where users read
-it. The seven config groups (`rollout`, `likelihood`, `algo`, `external`, `deepspeed`, `mixing`, `lora`) stay plain
-dicts: their keys depend on the option chosen (an estimator's options, an external source's). `check_groups`
+it. The eight config groups (`rollout`, `likelihood`, `algo`, `external`, `deepspeed`, `mixing`, `lora`,
+`sampler_correction`) stay plain dicts: their keys depend on the option chosen (an estimator's options, an external source's). `check_groups`
 checks each by name, type and range with the same functions that later build it (`build_estimator`,
 `check_sampler_settings`, `split_algo`, `MixingConfig`, ...), so a bad value fails before anything loads.
 
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dllm_rl.algo.advantages import ADVANTAGE_FNS
+from dllm_rl.algo.correction import SamplerCorrection
 from dllm_rl.algo.losses import AGGREGATIONS, KL_FNS, grpo_loss
 from dllm_rl.engine import ENGINE_OPTIONS, deepspeed_config
 from dllm_rl.errors import check_kwargs, check_ranges, check_types, pick, require
@@ -43,6 +44,7 @@ GROUP_DEFAULTS: dict[str, dict[str, Any]] = {
                   "timeout_s": 600},
     "mixing": dataclasses.asdict(MixingConfig()),
     "lora": dict(LORA_DEFAULTS),
+    "sampler_correction": dataclasses.asdict(SamplerCorrection()),
 }
 
 
@@ -86,6 +88,7 @@ class TrainConfig:
     deepspeed: dict[str, Any] = _group("deepspeed")
     mixing: dict[str, Any] = _group("mixing")
     lora: dict[str, Any] = _group("lora")
+    sampler_correction: dict[str, Any] = _group("sampler_correction")
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> TrainConfig:
@@ -128,6 +131,8 @@ class TrainConfig:
         split_algo(self.algo)
         engine_options(self.deepspeed)
         self.lora = check_lora(self.lora)
+        check_kwargs(SamplerCorrection, self.sampler_correction, "sampler_correction")
+        SamplerCorrection(**self.sampler_correction)
         require(not (self.lora["r"] > 0 and self.ref_sync_every > 0),
                 f"ref_sync_every={self.ref_sync_every} with lora.r={self.lora['r']}: with LoRA the reference is the "
                 f"base model (the adapter switched off), which never moves; set ref_sync_every=0")

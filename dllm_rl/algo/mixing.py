@@ -52,7 +52,7 @@ def triggered(correct_BG: torch.Tensor, trigger: str, *, step: int = 0, decay_st
     pick(_choices(TRIGGERS), trigger, "external trigger")
     B = correct_BG.shape[0]
     if trigger == "always":
-        return torch.ones(B, dtype=torch.bool)
+        return torch.ones(B, dtype=torch.bool, device=correct_BG.device)
     if trigger == "all_failed":
         return ~correct_BG.bool().any(-1)
     require(decay_steps > 0, f"decay_steps must be > 0, got {decay_steps}")
@@ -100,7 +100,7 @@ def joint_advantages(
     """LUFFY's joint processing: prompt b's group is its G on-policy rewards plus its external ones."""
     B, G = on_rewards_BG.shape
     rewards = torch.cat([on_rewards_BG.reshape(-1), ext_rewards_E.to(on_rewards_BG.dtype)])
-    groups = torch.cat([torch.arange(B).repeat_interleave(G), ext_prompt_E])
+    groups = torch.cat([torch.arange(B, device=on_rewards_BG.device).repeat_interleave(G), ext_prompt_E])
     adv = _ragged_advantages(rewards, groups, B, advantage)
     return adv[: B * G].view(B, G), adv[B * G :]
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dllm_rl.device import gpu_usable
 from dllm_rl.engine import rendezvous
 from dllm_rl.engine.rendezvous import RollCall, apply_group_timeout, open_store
 
@@ -63,11 +64,6 @@ def single_process_environment() -> dict[str, str]:
             MARKER: f"{os.getpid()}:{port}"}
 
 
-def on_gpu() -> bool:
-    """Whether DeepSpeed's accelerator is a GPU here: CUDA is present and DS_ACCELERATOR does not say cpu."""
-    return torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
-
-
 def init_distributed(timeout_s: float = 600.0) -> World:
     """Join (or create) the default process group; returns this process's place in it. Every rank checks in
     at the rendezvous first, so one that never comes is named after `timeout_s` (see rendezvous.py)."""
@@ -92,7 +88,7 @@ def init_distributed(timeout_s: float = 600.0) -> World:
     GENERATION += 1
     roll = rendezvous.ROLL = RollCall(store, rank, size, timeout_s, GENERATION)
     roll("the rendezvous", absent="not started, or failed before joining")
-    gpu = on_gpu()
+    gpu = gpu_usable()
     options = {}
     if gpu:
         torch.cuda.set_device(local_rank)
@@ -134,11 +130,18 @@ def barrier(world: World) -> None:
         dist.barrier()
 
 
+def collective_device() -> torch.device:
+    """Where a tensor handed to a collective must live: this rank's GPU under NCCL, else the CPU (gloo)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def all_sum(values: list[float], world: World) -> list[float]:
     """Elementwise sum over ranks (float64)."""
     if world.size == 1:
         return list(values)
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64, device=collective_device())
     dist.all_reduce(t)
     return t.tolist()
 
@@ -167,11 +170,12 @@ def mean_metrics(metrics: dict[str, float], world: World, summed: tuple[str, ...
 
 
 def gather_tensor(t: torch.Tensor, world: World) -> tuple[torch.Tensor, int]:
-    """(the concatenation of every rank's `t` in rank order, where this rank's rows start in it)."""
+    """(the concatenation of every rank's `t` in rank order, where this rank's rows start in it), on `t`'s
+    device. The parts travel pickled, from the CPU: a pickled CUDA tensor would unpickle onto its sender's GPU."""
     if world.size == 1:
         return t, 0
-    parts = all_gather_objects(t, world)
-    return torch.cat(parts), sum(len(p) for p in parts[: world.rank])
+    parts = all_gather_objects(t.cpu(), world)
+    return torch.cat(parts).to(t.device), sum(len(p) for p in parts[: world.rank])
 
 
 def broadcast_object(obj: Any, world: World, src: int = 0) -> Any:

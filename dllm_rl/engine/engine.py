@@ -83,7 +83,7 @@ class Engine:
         if self.stage == 0:
             grads = [p.grad for p in self.module.parameters() if p.grad is not None]
             norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
-            if any_rank(not torch.isfinite(torch.tensor(norm)), self.world):
+            if any_rank(not math.isfinite(norm), self.world):
                 self.ds.zero_grad()
                 return None
             self.ds.step()
@@ -94,7 +94,7 @@ class Engine:
             return None
         norm = self.ds.get_global_grad_norm()
         norm = 0.0 if norm is None else float(norm)
-        if not torch.isfinite(torch.tensor(norm)):
+        if not math.isfinite(norm):
             raise RuntimeError(f"non-finite gradient norm {norm} at ZeRO stage {self.stage}: the update was applied "
                                f"and the weights are no longer trustworthy; resume from the last checkpoint")
         return norm

@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModel
 
 from dllm_rl.checkpoint import latest_checkpoint, vet_pickles
 from dllm_rl.data.tokenizers import load_tokenizer
+from dllm_rl.device import resolve_device
 from dllm_rl.engine.engine import CHECKPOINT_TAG
 from dllm_rl.errors import ConfigError, require
 from dllm_rl.policy.adapters import MODEL_TYPES, REMOTE_CODE_KINDS, load_policy, read_config, require_consent
@@ -46,14 +47,16 @@ def consolidated_state_dict(checkpoint: Path) -> dict[str, torch.Tensor]:
     return torch.load(states / "mp_rank_00_model_states.pt", weights_only=False, map_location="cpu")["module"]
 
 
-def export_checkpoint(checkpoint: str, output_dir: str, trust_remote_code: bool = False, print_fn=print) -> Path:
+def export_checkpoint(checkpoint: str, output_dir: str, trust_remote_code: bool = False, device: str = "cpu",
+                      print_fn=print) -> Path:
     """Write the checkpoint's consolidated weights, config and tokenizer to `output_dir`. A LLaDA or Dream
-    checkpoint builds its model from the code it ships, so it needs `trust_remote_code=True`."""
+    checkpoint builds its model from the code it ships, so it needs `trust_remote_code=True`. A LoRA checkpoint's
+    base model is loaded, and the adapter merged, on `device`; DeepSpeed's shards are joined on the CPU."""
     source, out = resolve_checkpoint(checkpoint), Path(output_dir)
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"output_dir={output_dir!r} exists and is not empty; choose a new directory")
     if adapter_base(source) is not None:  # LoRA: the base model with the checkpoint's adapter merged in
-        policy, tokenizer = load_policy(str(source), trust_remote_code=trust_remote_code)
+        policy, tokenizer = load_policy(str(source), device=resolve_device(device), trust_remote_code=trust_remote_code)
         return publish(out, policy.model, tokenizer, f"exported {source} (base {adapter_base(source)} with its LoRA "
                        f"adapter merged) to {out}", print_fn)
     kind = MODEL_TYPES.get(str(read_config(str(source), "checkpoint").get("model_type", "")).lower(), "other")

@@ -115,13 +115,16 @@ class ExternalMixer:
 
     def rows(self, *, step: int, seed: int, task: Task, examples: list[Example], prompt_texts: list[str],
              correct_BG: torch.Tensor, tokenizer, window: int, eos_id: int, max_length: int | None,
-             prompt_offset: int = 0, widest: Callable[[int], int] = lambda n: n) -> tuple[Rows | None, dict[str, float]]:
+             prompt_offset: int = 0, widest: Callable[[int], int] = lambda n: n,
+             device: torch.device | str = "cpu") -> tuple[Rows | None, dict[str, float]]:
         """The step's external rows (None if no prompt fired or nothing survived) and their metrics. The caller
         sets their `mask_seeds`. `prompt_offset` is the global index of `examples[0]` among the step's prompts
         (nonzero on data-parallel ranks > 0): trigger and source seeds depend on the global index only.
         `widest` maps this rank's longest kept rollout to the longest over all ranks (called on every rank with
-        length_rule=none), so the window, and every estimator draw shaped by it, is the single-process one."""
+        length_rule=none), so the window, and every estimator draw shaped by it, is the single-process one.
+        The rows' tensors are made on `device` (the policy's)."""
         c = self.config
+        # cpu: seeded uniforms, decided on in Python (the same on every device)
         uniform_B = torch.tensor([derive_seed(seed, "trigger", step, prompt_offset + b) / 2**63
                                   for b in range(len(examples))])
         fire_B = mixing.triggered(correct_BG, c.trigger, step=step, decay_steps=c.decay_steps, uniform_B=uniform_B)
@@ -167,19 +170,20 @@ class ExternalMixer:
             width = max(window, widest(max((len(i.ids) for _, i, _, _ in kept), default=0)))
         if not kept:
             return None, metrics
-        return self.to_rows(kept, prompt_texts, tokenizer, width, eos_id, max_length), metrics
+        return self.to_rows(kept, prompt_texts, tokenizer, width, eos_id, max_length, device), metrics
 
     def to_rows(self, kept: list[tuple], prompt_texts: list[str], tokenizer, width: int, eos_id: int,
-                max_length: int | None) -> Rows:
-        """The kept (prompt, bridged, reward, behaviour logp) tuples as buffer rows: each prompt in the dLLM's
-        tokens, left-padded, then a completion window of `width` holding the text and EOS fill."""
+                max_length: int | None, device: torch.device | str = "cpu") -> Rows:
+        """The kept (prompt, bridged, reward, behaviour logp) tuples as buffer rows on `device`: each prompt in
+        the dLLM's tokens, left-padded, then a completion window of `width` holding the text and EOS fill."""
         encoded = [tokenizer(prompt_texts[b], add_special_tokens=False)["input_ids"] for b, *_ in kept]
-        ids_EP, mask_EP = left_pad(encoded, tokenizer.pad_token_id)
+        ids_EP, mask_EP = left_pad(encoded, tokenizer.pad_token_id, device)
         P = ids_EP.shape[1]
         if max_length is not None and P + width > max_length:
             raise ConfigError(f"external rollouts of up to {width} tokens after a {P}-token prompt exceed the dLLM's "
                               f"context of {max_length}; use mixing.length_rule=drop, truncate or shortest")
-        window_EC = torch.tensor([window_row(i.ids, width, eos_id) for _, i, _, _ in kept], dtype=torch.long)
+        window_EC = torch.tensor([window_row(i.ids, width, eos_id) for _, i, _, _ in kept], dtype=torch.long,
+                                 device=device)
         behaviour = [lp for *_, lp in kept]
         return Rows(
             source="external",
@@ -188,12 +192,12 @@ class ExternalMixer:
             prompt_length=P,
             mask_NC=completion_mask(window_EC, eos_id),
             order_NC=None,
-            prompt_N=torch.tensor([b for b, *_ in kept]),
+            prompt_N=torch.tensor([b for b, *_ in kept], device=device),
             rewards=[rw for _, _, rw, _ in kept],
             texts=[i.text for _, i, _, _ in kept],
             version=-1,
             estimator=self.estimator,
-            behaviour_logp_N=(torch.tensor(behaviour, dtype=torch.float64)
+            behaviour_logp_N=(torch.tensor(behaviour, dtype=torch.float64, device=device)
                               if all(x is not None for x in behaviour) else None),
             shaped=self.config.correction == "shaping",
         )
@@ -205,8 +209,9 @@ class ExternalMixer:
         """Set `adv_N` (and `weight_N` of the external rows) for the step, per `processing` and `statistic`.
         The running baseline moves by the mean over all ranks' external rewards (`gather`)."""
         c = self.config
-        ext_rewards = ext.rewards_N if ext is not None else torch.zeros(0)
-        ext_prompt = ext.prompt_N if ext is not None else torch.zeros(0, dtype=torch.long)
+        device = rewards_BG.device
+        ext_rewards = ext.rewards_N if ext is not None else torch.zeros(0, device=device)
+        ext_prompt = ext.prompt_N if ext is not None else torch.zeros(0, dtype=torch.long, device=device)
         if c.processing == "joint":
             adv_on_BG, adv_ext = mixing.joint_advantages(rewards_BG, ext_rewards, ext_prompt, advantage=advantage)
         else:
@@ -216,13 +221,14 @@ class ExternalMixer:
         on.adv_N = adv_on_BG.reshape(-1)
         if ext is not None:
             ext.adv_N = adv_ext.to(torch.float32)
-            ext.weight_N = torch.full((len(ext),), c.weight)
+            ext.weight_N = torch.full((len(ext),), c.weight, device=device)
         self.baseline = mixing.running_baseline(self.baseline, gather(ext_rewards)[0], c.baseline_decay)
 
     def importance_weights(self, ext: Rows | None, gather: Gather = local_only) -> dict[str, float]:
         """Multiply the external rows' weights by the capped importance weights pi_old / mu (correction=is),
         computed over the step's rows on all ranks (`gather`; every rank calls this, with rows or without)."""
         if ext is None:
+            # cpu: nothing of this rank's is weighted; it only takes part in the gather
             log_w_all, _ = gather(torch.zeros(0, dtype=torch.float64))
             return self._weights_metrics(log_w_all)[1]
         require(ext.behaviour_logp_N is not None,
@@ -243,12 +249,13 @@ class ExternalMixer:
 
 
 def build_mixer(external: dict[str, Any] | None, mixing_options: dict[str, Any] | None,
-                on_policy: Estimator) -> ExternalMixer | None:
-    """None when `external.name` is "none" (on-policy GRPO only)."""
+                on_policy: Estimator, device: torch.device | str = "cpu") -> ExternalMixer | None:
+    """None when `external.name` is "none" (on-policy GRPO only). A source that runs a model runs it on `device`
+    (the policy's) unless its own `external.device` says otherwise."""
     external = dict(external or {"name": "none"})
     name = external.pop("name", "none")
     if name == "none":
         return None
     check_kwargs(MixingConfig, mixing_options or {}, "mixing")
     config = MixingConfig(**(mixing_options or {}))
-    return ExternalMixer(build_source(name, **external), config, on_policy)
+    return ExternalMixer(build_source(name, policy_device=device, **external), config, on_policy)

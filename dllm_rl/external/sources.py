@@ -17,6 +17,7 @@ Every source is deterministic given the seeds it is handed, so a resumed run see
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import random
@@ -58,14 +59,15 @@ class CausalLMSource:
     name = "causal_lm"
 
     def __init__(self, path: str, temperature: float = 1.0, max_new_tokens: int = 128, dtype: str = "float32",
-                 batch_size: int = 64, trust_remote_code: bool = False):
+                 batch_size: int = 64, trust_remote_code: bool = False, device: str | None = None):
+        """`device`: where the model runs; None (the default) is the trainer's policy device."""
         from dllm_rl.rollout.generate import load_generator
 
         check_ranges(dict(temperature=temperature, max_new_tokens=max_new_tokens, batch_size=batch_size),
                      {"temperature": "non_negative", "max_new_tokens": "at_least_1", "batch_size": "at_least_1"},
                      "external")
         self.generator = load_generator(path, kind="causal", dtype=dtype, trust_remote_code=trust_remote_code,
-                                        gen_length=max_new_tokens, temperature=temperature)
+                                        device=device or "cpu", gen_length=max_new_tokens, temperature=temperature)
         self.path, self.batch_size = path, batch_size
 
     def rollouts(self, task, examples, count, seeds):
@@ -167,9 +169,12 @@ SOURCES: dict[str, Callable[..., ExternalSource]] = {
 }
 
 
-def build_source(name: str, **options) -> ExternalSource:
-    """The source `SOURCES[name]` built from its flat config options (unknown keys are named)."""
+def build_source(name: str, policy_device: torch.device | str = "cpu", **options) -> ExternalSource:
+    """The source `SOURCES[name]` built from its flat config options (unknown keys are named). A source that runs
+    a model and has no `device` option set runs it on `policy_device` (the trainer passes the policy's)."""
     cls = check_source_options(name, options)
+    if "device" in inspect.signature(cls.__init__).parameters and options.get("device") is None:
+        options["device"] = str(policy_device)
     return cls(**options)
 
 

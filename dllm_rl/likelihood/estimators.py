@@ -46,6 +46,11 @@ from dllm_rl.policy.adapters import DiffusionPolicy
 from dllm_rl.seeds import row_generators
 
 
+# Where the estimators draw their masks: the CPU, whatever device scores them, so a GPU run and a CPU run score
+# under the same masks (N x C draws per row are cheap; see dllm_rl/device.py).
+MASK_DEVICE = torch.device("cpu")
+
+
 def _token_logp(policy: DiffusionPolicy, input_BL, attention_mask_BL, targets_BC, P: int) -> torch.Tensor:
     logits_BCV = policy.logits(input_BL, attention_mask_BL)[:, P:]
     return -F.cross_entropy(logits_BCV.float().transpose(1, 2), targets_BC, reduction="none")
@@ -53,8 +58,8 @@ def _token_logp(policy: DiffusionPolicy, input_BL, attention_mask_BL, targets_BC
 
 def antithetic_t(generator: torch.Generator, num: int, eps: float) -> torch.Tensor:
     """`num` times in [eps, 1] from one uniform offset and evenly spaced strata (low-variance sampling)."""
-    u0 = torch.rand(1, generator=generator, dtype=torch.float64)
-    u_M = (u0 + torch.arange(num, dtype=torch.float64) / num) % 1.0
+    u0 = torch.rand(1, generator=generator, dtype=torch.float64, device=generator.device)
+    u_M = (u0 + torch.arange(num, dtype=torch.float64, device=generator.device) / num) % 1.0
     return eps + (1.0 - eps) * u_M
 
 
@@ -63,7 +68,7 @@ def masks_at_times(generator: torch.Generator, num: int, C: int, eps: float,
     """(t_M1, is_masked_MC): `num` antithetic times in [eps, t_max] and, for each, every one of C tokens masked
     independently with probability t. The draws the ELBO and coupled estimators share, in one order."""
     t_M1 = antithetic_t(generator, num, eps)[:, None].clamp(max=t_max)
-    return t_M1, torch.rand((num, C), generator=generator, dtype=torch.float64) < t_M1
+    return t_M1, torch.rand((num, C), generator=generator, dtype=torch.float64, device=generator.device) < t_M1
 
 
 # Every estimator takes the same runtime arguments (seeds_N, order_NC) so the trainer can call any of them;
@@ -77,8 +82,10 @@ def mean_field(policy, ids_NL, attention_mask_NL, prompt_length: int, *, seeds_N
     noisy_NL[:, P:] = policy.mask_id
     prompt_real_NP = attention_mask_NL[:, :P].bool()
     # drawn from the last prompt token backwards, so the mask of a prompt does not depend on how much left
-    # padding its batch gave it (data-parallel ranks pad their own rows)
-    u_NP = torch.stack([torch.rand(P, generator=g).flip(0) for g in row_generators(seeds_N)])
+    # padding its batch gave it (data-parallel ranks pad their own rows); on the CPU, so it is the same on
+    # every device (dllm_rl/device.py), then moved
+    u_NP = torch.stack([torch.rand(P, generator=g, device=g.device).flip(0)
+                        for g in row_generators(seeds_N, MASK_DEVICE)]).to(ids_NL.device)
     noisy_NL[:, :P] = ids_NL[:, :P].masked_fill((u_NP < prompt_mask_prob) & prompt_real_NP, policy.mask_id)
     return _token_logp(policy, noisy_NL, attention_mask_NL, ids_NL[:, P:], P)
 
@@ -98,12 +105,12 @@ def elbo(policy, ids_NL, attention_mask_NL, prompt_length: int, *, seeds_N, orde
     require(num_masks >= 1, f"num_masks must be >= 1, got {num_masks}")
     C = ids_NL.shape[1] - prompt_length
     masks, weights = [], []
-    for g in row_generators(seeds_N):
+    for g in row_generators(seeds_N, MASK_DEVICE):
         t_M1, is_masked_MC = masks_at_times(g, num_masks, C, eps)
         masks.append(is_masked_MC)
         weights.append((1.0 / t_M1).expand(num_masks, C))
     return _masked_passes(policy, ids_NL, attention_mask_NL, prompt_length,
-                          torch.stack(masks), torch.stack(weights).float())
+                          torch.stack(masks).to(ids_NL.device), torch.stack(weights).float().to(ids_NL.device))
 
 
 def coupled(policy, ids_NL, attention_mask_NL, prompt_length: int, *, seeds_N, order_NC=None, num_masks: int = 1,
@@ -111,12 +118,12 @@ def coupled(policy, ids_NL, attention_mask_NL, prompt_length: int, *, seeds_N, o
     require(num_masks >= 1, f"num_masks must be >= 1, got {num_masks}")
     C = ids_NL.shape[1] - prompt_length
     masks, weights = [], []
-    for g in row_generators(seeds_N):
+    for g in row_generators(seeds_N, MASK_DEVICE):
         t_M1, mask_a = masks_at_times(g, num_masks, C, eps, t_max=1.0 - eps)
         masks.append(torch.cat([mask_a, ~mask_a]))
         weights.append(torch.cat([(1.0 / t_M1).expand(num_masks, C), (1.0 / (1.0 - t_M1)).expand(num_masks, C)]))
     return _masked_passes(policy, ids_NL, attention_mask_NL, prompt_length,
-                          torch.stack(masks), torch.stack(weights).float())
+                          torch.stack(masks).to(ids_NL.device), torch.stack(weights).float().to(ids_NL.device))
 
 
 def ordered(policy, ids_NL, attention_mask_NL, prompt_length: int, *, order_NC: torch.Tensor | None = None, seeds_N=None,

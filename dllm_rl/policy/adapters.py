@@ -39,6 +39,7 @@ from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModel
 
 from dllm_rl.data.tokenizers import load_tokenizer
+from dllm_rl.device import device_of
 from dllm_rl.errors import ConfigError, pick, require
 from dllm_rl.policy.compat import load_remote_model
 
@@ -127,6 +128,11 @@ class DiffusionPolicy:
                 return getattr(config, field)
         return None
 
+    @property
+    def device(self) -> torch.device:
+        """Where the network runs, so where every tensor it reads is made (see dllm_rl/device.py)."""
+        return device_of(self.model)
+
     def logits(self, ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor | None = None) -> torch.Tensor:
         return LOGITS_FNS[self.kind](self.model, ids_BL, attention_mask_BL)
 
@@ -212,10 +218,10 @@ def hidden_size_of(path: str) -> int | None:
     return config.get("hidden_size") or config.get("d_model")
 
 
-def load_policy(path: str, kind: str = "auto", dtype: str = "float32", device: str = "cpu",
+def load_policy(path: str, kind: str = "auto", dtype: str = "float32", device: str | torch.device = "cpu",
                 trust_remote_code: bool = False):
-    """(policy, tokenizer) from a local checkpoint directory; never downloads. A LLaDA or Dream checkpoint runs
-    its own code, so it needs `trust_remote_code=True` (see the module docstring)."""
+    """(policy, tokenizer) from a local checkpoint directory, on `device`; never downloads. A LLaDA or Dream
+    checkpoint runs its own code, so it needs `trust_remote_code=True` (see the module docstring)."""
     require(Path(path).expanduser().is_dir(), f"model path {path!r}: expected a local model directory")
     from dllm_rl.policy.lora import adapter_base, merged_with_adapter
 

@@ -95,7 +95,7 @@ def default_rope(config, device=None, seq_len=None, **kwargs) -> tuple[torch.Ten
     """Plain RoPE frequencies theta^(-2i/d) over the rotated part of a head, and no attention scaling."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     dim = int(head_dim * getattr(config, "partial_rotary_factor", 1.0))
-    exponent = torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
     return 1.0 / (config.rope_theta ** exponent), 1.0
 
 

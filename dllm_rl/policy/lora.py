@@ -59,7 +59,8 @@ def add_adapters(network: nn.Module, options: dict[str, Any], base_path: str, se
                         target_modules=targets if targets == "all-linear" else list(targets), bias="none",
                         base_model_name_or_path=str(Path(base_path).expanduser().resolve()))
     try:
-        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+        gpus = sorted({p.device.index for p in network.parameters() if p.device.type == "cuda"})
+        with torch.random.fork_rng(devices=gpus), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             torch.manual_seed(seed)  # peft asks transformers by the name it deprecated
             return get_peft_model(network, config)

@@ -63,7 +63,7 @@ class DiffusionLMConfig(PretrainedConfig):
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim))  # cpu: a parameter is made where the module is built
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -47,7 +47,7 @@ class MaskingSchedule(SchedulerMixin, ConfigMixin):
     def alpha(self, t: float | torch.Tensor) -> float | torch.Tensor:
         """Probability that a token is clean at time t; a float for a float, a tensor for a tensor."""
         if not isinstance(t, torch.Tensor):
-            return float(self.alpha(torch.tensor(float(t), dtype=torch.float64)))
+            return float(self.alpha(torch.tensor(float(t), dtype=torch.float64)))  # cpu: read back as a float
         if not t.is_floating_point():
             t = t.float()
         # cos(pi/2) is -4e-8 in float32; clamping keeps mask_prob a valid probability at t=1.
@@ -106,7 +106,7 @@ class MaskingSchedule(SchedulerMixin, ConfigMixin):
         Each row sums to its count of masked tokens.
         """
         require(isinstance(steps, int) and steps >= 1, f"steps={steps!r}: expected an integer >= 1")
-        n_B = torch.as_tensor(num_masked_B).long()
+        n_B = torch.as_tensor(num_masked_B, device=getattr(num_masked_B, "device", None)).long()
         if self.config.schedule == "linear":
             # LLaDA's get_num_transfer_tokens: n // steps each, the remainder one each to the first steps.
             # Cumulative rounding (below) would put the extras elsewhere (n=7, steps=4 -> 2,2,1,2 instead of

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from dllm_rl.data.tokenizers import load_tokenizer
 
+from dllm_rl.device import device_of, resolve_device
 from dllm_rl.errors import ConfigError, check_kwargs, check_ranges, pick, require
 from dllm_rl.policy.adapters import DTYPES, LOGITS_FNS, MODEL_TYPES, DiffusionPolicy, load_policy, read_config
 from dllm_rl.rollout.causal import sample_causal
@@ -57,8 +58,9 @@ class TextGenerator:
     def sample(self, prompts: Sequence[str], seeds: Sequence[int]) -> Samples:
         require(len(prompts) == len(seeds), f"got {len(prompts)} prompts but {len(seeds)} seeds")
         encoded = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-        ids_BP, mask_BP = left_pad(encoded, self.tokenizer.pad_token_id)
-        generators = row_generators(seeds)
+        device = device_of(self.model)  # the prompts, the rollout and the rows' generators live with the model
+        ids_BP, mask_BP = left_pad(encoded, self.tokenizer.pad_token_id, device)
+        generators = row_generators(seeds, device)
         if self.is_diffusion:
             max_length = self.model.context_length
             return denoise(self.model, ids_BP, mask_BP, gen_length=self.gen_length, block_length=self.block_length,
@@ -83,12 +85,14 @@ def is_diffusion_checkpoint(path: str) -> bool:
     return str(read_config(path).get("model_type", "")).lower() in MODEL_TYPES
 
 
-def load_causal_lm(path: str, dtype: str = "float32", trust_remote_code: bool = False, key: str = "model"):
-    """A causal LM from a local directory. One whose code ships in the directory (a model type transformers does
-    not know) loads only with `trust_remote_code=True`; without it, a named error instead of running the code."""
+def load_causal_lm(path: str, dtype: str = "float32", trust_remote_code: bool = False, key: str = "model",
+                   device: str | torch.device = "cpu"):
+    """A causal LM from a local directory, on `device`. One whose code ships in the directory (a model type
+    transformers does not know) loads only with `trust_remote_code=True`; without it, a named error instead of
+    running the code."""
     try:
         return AutoModelForCausalLM.from_pretrained(path, dtype=pick(DTYPES, dtype, "dtype"),
-                                                    trust_remote_code=trust_remote_code).eval()
+                                                    trust_remote_code=trust_remote_code).to(device).eval()
     except ValueError as error:
         if "trust_remote_code" not in str(error):
             raise
@@ -97,25 +101,27 @@ def load_causal_lm(path: str, dtype: str = "float32", trust_remote_code: bool = 
 
 
 def load_generator(path: str, kind: str = "auto", dtype: str = "float32", trust_remote_code: bool = False,
-                   **settings: Any) -> TextGenerator:
-    """A TextGenerator for a local checkpoint; `kind` is auto, native, llada, dream or causal. Code that ships
-    with a checkpoint runs only with `trust_remote_code=True`."""
+                   device: str | torch.device = "auto", **settings: Any) -> TextGenerator:
+    """A TextGenerator for a local checkpoint on `device` (auto: this process's GPU where there is one, else the
+    CPU); `kind` is auto, native, llada, dream or causal. Code that ships with a checkpoint runs only with
+    `trust_remote_code=True`."""
     pick(dict.fromkeys(KINDS), kind, "kind")
     pick(DTYPES, dtype, "dtype")
+    device = resolve_device(device)
     check_kwargs(check_sampler_settings, settings, "rollout", exclude=("key",))
     require(Path(path).expanduser().is_dir(), f"model={path!r}: expected a local model directory")
     if kind == "causal" or (kind == "auto" and not is_diffusion_checkpoint(path)):
         check_ranges(settings, {"gen_length": "at_least_1", "temperature": "non_negative"}, "rollout")
-        model = load_causal_lm(path, dtype, trust_remote_code)
+        model = load_causal_lm(path, dtype, trust_remote_code, device=device)
         return TextGenerator(model, load_tokenizer(path, "model", trust_remote_code=trust_remote_code), **settings)
     check_sampler_settings(**settings)
-    policy, tokenizer = load_policy(path, kind=kind, dtype=dtype, trust_remote_code=trust_remote_code)
+    policy, tokenizer = load_policy(path, kind=kind, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     return TextGenerator(policy, tokenizer, **settings)
 
 
 def run_generate(*, model: str, prompt: str, rollout: dict[str, Any], kind: str = "auto", dtype: str = "float32",
                  chat: bool = False, num_samples: int = 1, seed: int = 0, trust_remote_code: bool = False,
-                 print_fn=print) -> list[Completion]:
+                 device: str = "auto", print_fn=print) -> list[Completion]:
     """`dllm-rl generate`: print `num_samples` completions of `prompt`."""
     from dllm_rl.data.task import render_prompt
 
@@ -123,7 +129,8 @@ def run_generate(*, model: str, prompt: str, rollout: dict[str, Any], kind: str 
     if "\\n" in prompt:  # Hydra keeps a typed backslash-n as two characters; a prompt rarely means that
         print_fn("note: the prompt holds a literal backslash-n, not a newline (the override grammar does not "
                  "unescape it); for newlines pass real ones, e.g. in bash $'prompt=\\'line one\\nline two\\''")
-    generator = load_generator(model, kind=kind, dtype=dtype, trust_remote_code=trust_remote_code, **rollout)
+    generator = load_generator(model, kind=kind, dtype=dtype, trust_remote_code=trust_remote_code, device=device,
+                               **rollout)
     text = render_prompt(prompt, generator.tokenizer) if chat else prompt
     completions = generator([text] * num_samples, [seed + i for i in range(num_samples)])
     for i, c in enumerate(completions):

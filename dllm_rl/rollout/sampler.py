@@ -34,16 +34,14 @@ from dllm_rl.types import Samples
 REMASKING = ("low_confidence", "random")
 
 
-def left_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids_BP, attention_mask_BP) with every row right-aligned."""
+def left_pad(sequences: Sequence[Sequence[int]], pad_id: int,
+             device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids_BP, attention_mask_BP) on `device`, with every row right-aligned."""
     width = max(len(s) for s in sequences)
-    ids_BP = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask_BP = torch.zeros((len(sequences), width), dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        if len(seq):
-            ids_BP[row, width - len(seq) :] = torch.as_tensor(list(seq), dtype=torch.long)
-            mask_BP[row, width - len(seq) :] = 1
-    return ids_BP, mask_BP
+    ids = [[pad_id] * (width - len(s)) + list(s) for s in sequences]
+    real = [[0] * (width - len(s)) + [1] * len(s) for s in sequences]
+    return (torch.tensor(ids, dtype=torch.long, device=device).view(len(sequences), width),
+            torch.tensor(real, dtype=torch.long, device=device).view(len(sequences), width))
 
 
 def check_sampler_settings(gen_length: int = 64, block_length: int = 32, steps: int = 64, temperature: float = 0.0,
@@ -98,7 +96,8 @@ def gumbel_argmax(logits_BCV: torch.Tensor, temperature: float, generators) -> t
     logits64 = logits_BCV.double()
     if temperature == 0:
         return logits64.argmax(-1)
-    u = torch.stack([torch.rand(logits_BCV.shape[1:], generator=g, dtype=torch.float64) for g in generators])
+    u = torch.stack([torch.rand(logits_BCV.shape[1:], generator=g, dtype=torch.float64, device=g.device)
+                     for g in generators]).to(logits64.device)
     # Guard u == 0 (log(-log 0) = log(inf)): such a draw would be chosen with certainty anyway.
     gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
     return (logits64 + temperature * gumbel).argmax(-1)
@@ -128,10 +127,11 @@ def random_commit(eligible_BC: torch.Tensor, generators) -> torch.Tensor:
     """One eligible position per row, uniformly at random from the row's generator (single-step random
     initialisation: the first commit of a rollout is not the most confident one, which keeps parallel
     decoding exploring)."""
-    u_BC = torch.stack([torch.rand(eligible_BC.shape[1], generator=g, dtype=torch.float64) for g in generators])
+    u_BC = torch.stack([torch.rand(eligible_BC.shape[1], generator=g, dtype=torch.float64, device=g.device)
+                        for g in generators])
     pick_B = u_BC.to(eligible_BC.device).masked_fill(~eligible_BC, -1.0).argmax(-1)
     chosen_BC = torch.zeros_like(eligible_BC)
-    chosen_BC[torch.arange(len(pick_B)), pick_B] = True
+    chosen_BC[torch.arange(len(pick_B), device=pick_B.device), pick_B] = True
     return chosen_BC & eligible_BC
 
 
@@ -218,7 +218,8 @@ def scheduled_commits(prob_BC: torch.Tensor, eligible_BC: torch.Tensor, transfer
     if remasking == "low_confidence":
         score_BC = prob_BC.clone()
     else:
-        score_BC = torch.stack([torch.rand(prob_BC.shape[1], generator=g, dtype=torch.float64) for g in generators])
+        score_BC = torch.stack([torch.rand(prob_BC.shape[1], generator=g, dtype=torch.float64, device=g.device)
+                                for g in generators])
         score_BC = score_BC.to(prob_BC.device)
     score_BC = score_BC.masked_fill(~eligible_BC, float("-inf"))
     ranks_BC = score_BC.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)

@@ -89,17 +89,6 @@ def test_zero3_offload_trains_in_one_process(saved_model, tmp_path):
               **{**options, "deepspeed": {"stage": 0}})
 
 
-def test_a_gpu_machine_is_told_to_train_on_its_cpu(monkeypatch):
-    from dllm_rl.train import require_cpu_accelerator
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
-    with pytest.raises(ConfigError, match="set DS_ACCELERATOR=cpu to train on its CPU"):
-        require_cpu_accelerator()
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    require_cpu_accelerator()
-
-
 @pytest.mark.parametrize("stage", [0, 1, 3])
 def test_a_non_finite_loss_or_gradient_skips_the_update_at_every_stage(stage, char_tokenizer):
     """`Engine.update` skips a non-finite loss before the backward, and a finite loss with a non-finite
