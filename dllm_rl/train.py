@@ -228,7 +228,9 @@ def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned,
         mixer.check_source(prompts.examples, print_fn)
     generating = lambda: inference(learned.net, engine, autocast)  # noqa: E731
     sampler = TextGenerator(policy, tokenizer, **cfg.sampler)
-    greedy = TextGenerator(policy, tokenizer, **{**cfg.sampler, "temperature": 0.0})
+    # held-out pass@1 decodes exactly whatever the rollouts use, so runs with fast and exact rollouts compare
+    exact = {"threshold": None, "factor": None, "cache": "none", "random_first": False}
+    greedy = TextGenerator(policy, tokenizer, **{**cfg.sampler, **exact, "temperature": 0.0})
     external = None if mixer is None else ExternalRollouts(
         mixer, task, tokenizer, window=sampler.gen_length, eos_id=policy.eos_id,
         max_length=policy.context_length, seed=cfg.seed, dp=dp, autocast=autocast, device=policy.device)

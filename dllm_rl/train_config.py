@@ -35,7 +35,7 @@ from dllm_rl.rollout.sampler import check_sampler_settings
 GROUP_DEFAULTS: dict[str, dict[str, Any]] = {
     "rollout": {"name": "rl", "gen_length": 64, "block_length": 32, "steps": 32, "temperature": 1.0,
                 "remasking": "low_confidence", "cfg_scale": 0.0, "threshold": None, "factor": None,
-                "random_first": False},
+                "random_first": False, "cache": "none", "cache_refresh": 0},
     "likelihood": {"name": "mean_field", "prompt_mask_prob": 0.15},
     "algo": {"name": "grpo", "advantage": "mean", "eps_low": 0.2, "eps_high": 0.2, "beta": 0.0, "kl": "k3",
              "aggregation": "token", "constant": None},

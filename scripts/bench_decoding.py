@@ -8,12 +8,18 @@ per step (`steps = gen_length`); the speedups are ratios to it, measured in the 
 - `exact`: one token per step (the reference);
 - `exact/2`: two tokens per step (the `rl` rollout config's ratio);
 - `threshold=t`: every token of the block at least t confident, at least one per step (Fast-dLLM);
-- `factor=f`: Fast-dLLM's factor rule.
+- `factor=f`: Fast-dLLM's factor rule;
+- `prefix`, `dual`: one token per step with the block cache (refreshed at each block's start), which runs the
+  block and what follows it (prefix) or the block alone (dual) between refreshes;
+- `prefix+threshold=t`, `dual+threshold=t`: both.
 
-No KV cache yet: every forward recomputes prompt and window, so the speedup is the forward-count saving alone.
 Prints a table and writes JSON.
 
     python scripts/bench_decoding.py --out docs/bench_decoding.json
+    python scripts/bench_decoding.py --gen-lengths 256 --prompts 32 --max-context 512 --out docs/bench_decoding_256.json
+
+The embedded model's context is 256 tokens, so a 256-token window after a prompt needs `--max-context`: it
+lifts the declared limit (rotary positions have no table), for speed only; the model never saw such positions.
 """
 
 from __future__ import annotations
@@ -37,6 +43,10 @@ MODES = {
     "threshold=0.9": lambda C: {"steps": C, "threshold": 0.9},
     "threshold=0.7": lambda C: {"steps": C, "threshold": 0.7},
     "factor=1.0": lambda C: {"steps": C, "factor": 1.0},
+    "prefix": lambda C: {"steps": C, "cache": "prefix"},
+    "dual": lambda C: {"steps": C, "cache": "dual"},
+    "prefix+threshold=0.9": lambda C: {"steps": C, "cache": "prefix", "threshold": 0.9},
+    "dual+threshold=0.9": lambda C: {"steps": C, "cache": "dual", "threshold": 0.9},
 }
 
 
@@ -58,17 +68,22 @@ def main() -> None:
     parser.add_argument("--model", default="models/tiny-dllm")
     parser.add_argument("--tasks", nargs="+", default=["sudoku", "countdown"])
     parser.add_argument("--gen-lengths", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--block-length", type=int, default=32)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prompts", type=int, default=200)
+    parser.add_argument("--max-context", type=int, default=None, help="lift the model's declared context (speed only)")
     parser.add_argument("--out", default="bench_decoding.json")
     args = parser.parse_args()
     policy, tokenizer = load_policy(args.model)
+    if args.max_context:
+        policy.model.config.max_position_embeddings = args.max_context
     rows = []
     for gen_length in args.gen_lengths:
         for task_name in args.tasks:
             task = build_task(task_name)
-            for mode, settings in MODES.items():
+            for mode in dict.fromkeys(["exact", *args.modes]):  # the baseline first
+                settings = MODES[mode]
                 generator = TextGenerator(policy, tokenizer, gen_length=gen_length, block_length=args.block_length,
                                           temperature=0.0, **settings(gen_length))
                 counting = Counting(generator)

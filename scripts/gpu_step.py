@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dllm_rl.data import build_task  # noqa: E402
+from dllm_rl.data.task import Reward  # noqa: E402
 from dllm_rl.data.tokenizers import load_tokenizer  # noqa: E402
 from dllm_rl.device import default_device  # noqa: E402
 from dllm_rl.policy.modeling import DiffusionLM, DiffusionLMConfig  # noqa: E402
@@ -60,9 +61,33 @@ def build_checkpoint(directory: Path, args, layers: int, device: torch.device) -
     return count
 
 
+class DenseCountdown:
+    """Countdown prompts with a reward a random model earns (the share of digits in its completion), so the
+    step has a learning signal and its update runs (a random model solves no puzzle: every advantage would be
+    0 and the update skipped)."""
+
+    name, prompt_style = "countdown_digit_share", "compact"
+
+    def __init__(self):
+        self.task = build_task("countdown")
+
+    def examples(self, split, n, seed):
+        return self.task.examples(split, n, seed)
+
+    def prompt(self, example) -> str:
+        return self.task.prompt(example)
+
+    def reward(self, completion: str, example):
+        share = sum(c.isdigit() for c in completion) / max(1, len(completion))
+        return Reward(share, share > 0.2, False, "digit share")
+
+    def solve(self, example):
+        return self.task.solve(example)
+
+
 def one_step(model_dir: Path, run_dir: Path, args) -> dict[str, float]:
     return train(
-        build_task("countdown"), model=str(model_dir), run_dir=str(run_dir), steps=1, prompts_per_step=args.prompts,
+        DenseCountdown(), model=str(model_dir), run_dir=str(run_dir), steps=1, prompts_per_step=args.prompts,
         group_size=args.group, minibatch_size=args.prompts * args.group, inner_iterations=1,
         rollout={"gen_length": args.gen_length, "block_length": args.block_length, "steps": args.steps,
                  "temperature": 0.9},
@@ -143,10 +168,11 @@ def main() -> None:
     print(f"{'model':<34}{m['parameters_B']}B params ({m['layers']} layers x {m['hidden']}), on {result['device']}")
     for key, value in [("rollout s", s["rollout"]), ("rollout tokens/s", result["rollout_tokens_per_s"]),
                        ("score s", s["score"]), ("update s", s["update"]),
-                       ("peak GPU memory GiB", result["peak_gpu_memory_GiB"]), ("metrics finite", result["finite"])]:
+                       ("peak GPU memory GiB", result["peak_gpu_memory_GiB"]), ("metrics finite", result["finite"]),
+                       ("updates applied", result["policy_updates"])]:
         print(f"{key:<34}{value}")
     print(f"wrote {args.out}")
-    sys.exit(0 if result["finite"] else 1)
+    sys.exit(0 if result["finite"] and result["policy_updates"] == 1 else 1)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ at the versions of requirements-cpu.txt, and, following their metadata for CPyth
 dependency that machine does not already have. Binary wheels are downloaded; a package published only as
 source (deepspeed, antlr4-python3-runtime 4.9.3) is built here into a pure-Python wheel (deepspeed without its
 compiled ops, which it builds on first use where needed). Packages that machine has (torch and its CUDA
-libraries, numpy, transformers' own dependencies, ...) are left out, so the folder stays small.
+libraries, numpy, transformers' own dependencies, ...) are left out, and so is pyarrow (see LEFT_OUT), so the
+folder stays small (about 18 MiB).
 
     python scripts/gpu_wheels.py [--dest wheels]     # then scripts/gpu_check.sh there, with wheels/ beside it
 """
@@ -32,7 +33,12 @@ PRESENT = {"torch", "numpy", "pandas", "transformers", "tokenizers", "safetensor
            "packaging", "pyyaml", "regex", "requests", "urllib3", "idna", "certifi", "charset-normalizer", "tqdm",
            "filelock", "psutil", "sympy", "mpmath", "jinja2", "markupsafe", "networkx", "typing-extensions",
            "setuptools", "peft", "accelerate", "tensorboard", "protobuf", "grpcio", "pytest", "python-dateutil",
-           "six", "pytz", "tzdata", "httpx", "httpcore", "anyio", "h11", "sniffio", "triton"}
+           "six", "pytz", "tzdata", "httpx", "httpcore", "anyio", "h11", "sniffio", "triton", "pillow", "absl-py",
+           "markdown", "werkzeug", "tensorboard-data-server"}
+# Too big to travel with the working tree (the device tool carries 64 MiB): pyarrow (55 MB), which `datasets`
+# needs for the file-based tasks (gsm8k, math500) only. gpu_check.sh installs datasets without it where the
+# machine lacks it, and uses none of those tasks.
+LEFT_OUT = {"pyarrow"}
 TARGET = {**default_environment(), "python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
           "platform_system": "Linux", "platform_machine": "x86_64", "implementation_name": "cpython",
           "platform_python_implementation": "CPython", "os_name": "posix"}
@@ -93,7 +99,7 @@ def main() -> None:
     while queue:
         req = queue.pop(0)
         name = canonicalize_name(req.name)
-        if name in seen or name in PRESENT:
+        if name in seen or name in PRESENT or name in LEFT_OUT:
             continue
         seen.add(name)
         spec = str(Requirement(f"{req.name}{req.specifier}"))

@@ -44,8 +44,10 @@ from dllm_rl.errors import ConfigError, pick, require
 from dllm_rl.policy.compat import load_remote_model
 
 
-def native_logits(model, ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor | None) -> torch.Tensor:
-    return model(input_ids=ids_BL, attention_mask=attention_mask_BL).logits
+def native_logits(model, ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor | None, cache=None) -> torch.Tensor:
+    if cache is None:
+        return model(input_ids=ids_BL, attention_mask=attention_mask_BL).logits
+    return model(input_ids=ids_BL, attention_mask=attention_mask_BL, block_cache=cache).logits
 
 
 def llada_logits(model, ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor | None) -> torch.Tensor:
@@ -98,6 +100,9 @@ REMOTE_CODE_KINDS = ("llada", "dream")  # their modeling code ships with the che
 MODEL_TYPES = {"dllm_rl_diffusion_lm": "native", "llada": "llada", "dream": "dream"}
 MASK_TOKENS = {"llada": "<|mdm_mask|>"}
 CONTEXT_FIELDS = ("max_position_embeddings", "max_sequence_length")  # the second is LLaDA's name
+# Kinds whose model takes a `BlockCache` (policy/modeling.py). The published LLaDA and Dream code has no block
+# cache (Fast-dLLM patches their modeling files); they decode exactly.
+CACHED_KINDS = ("native",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -133,8 +138,13 @@ class DiffusionPolicy:
         """Where the network runs, so where every tensor it reads is made (see dllm_rl/device.py)."""
         return device_of(self.model)
 
-    def logits(self, ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor | None = None) -> torch.Tensor:
-        return LOGITS_FNS[self.kind](self.model, ids_BL, attention_mask_BL)
+    def logits(self, ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        """Logits of every position, or with `cache` (a `BlockCache`, decoding only) of its span."""
+        if cache is None:
+            return LOGITS_FNS[self.kind](self.model, ids_BL, attention_mask_BL)
+        require(self.kind in CACHED_KINDS, f"rollout.cache: a {self.kind} model's code has no block cache; "
+                f"use rollout.cache=none (its rollouts can still decode in parallel with rollout.threshold)")
+        return LOGITS_FNS[self.kind](self.model, ids_BL, attention_mask_BL, cache)
 
     def parameters(self):
         return self.model.parameters()

@@ -2,14 +2,17 @@
 
 Architecture as in LLaDA (arXiv 2502.09992): pre-norm blocks with RMSNorm, rotary position embeddings,
 SwiGLU feed-forward, no causal mask. Attention runs through `torch.nn.functional.scaled_dot_product_attention`.
-Differences from LLaDA: no KV cache yet, a key-padding mask for left-padded batches, and positions that
-count only real tokens (so a row's outputs do not depend on how much left padding it got).
+Differences from LLaDA: a key-padding mask for left-padded batches, positions that count only real tokens (so
+a row's outputs do not depend on how much left padding it got), and a block cache for decoding (`BlockCache`,
+Fast-dLLM's prefix and dual caches, arXiv 2505.22618).
 
 Registered with the transformers Auto classes on `import dllm_rl`, so `AutoModel.from_pretrained(dir)`
 and `AutoModelForMaskedLM.from_pretrained(dir)` load a saved model.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +86,34 @@ def rotary(x_BHLD: torch.Tensor, positions_BL: torch.Tensor, theta: float) -> to
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x_BHLD.dtype)
 
 
+@dataclass
+class BlockCache:
+    """Every layer's keys and values for the whole sequence, as of the last refresh (Fast-dLLM's block cache).
+
+    A forward with `span=None` (a refresh) runs the whole sequence and stores them; a forward with `span=(a, b)`
+    runs only positions a..b-1 and lets them attend to the stored keys and values of every other position with
+    their own fresh ones in place. The decoder refreshes at the start of every block, then runs the current block
+    and everything after it (the prefix cache: the prompt and finished blocks are not recomputed) or the current
+    block alone (the dual cache: the masked suffix is not recomputed either). Not exact: in a bidirectional model
+    the stored keys and values of the other positions would change with the block's new tokens; refreshing
+    every step makes it exact."""
+
+    span: tuple[int, int] | None = None
+    keys: list[torch.Tensor] = field(default_factory=list)  # per layer: k_BHLD
+    values: list[torch.Tensor] = field(default_factory=list)
+
+    def attend_over(self, layer: int, k_BHAD: torch.Tensor, v_BHAD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values the span's queries attend over: stored on a refresh, spliced in otherwise."""
+        if self.span is None:
+            self.keys.append(k_BHAD)
+            self.values.append(v_BHAD)
+            return k_BHAD, v_BHAD
+        a, b = self.span
+        k, v = self.keys[layer], self.values[layer]
+        return (torch.cat([k[:, :, :a], k_BHAD, k[:, :, b:]], dim=2),
+                torch.cat([v[:, :, :a], v_BHAD, v[:, :, b:]], dim=2))
+
+
 class Block(GradientCheckpointingLayer):  # gradient_checkpointing_enable() recomputes it in backward
     def __init__(self, cfg: DiffusionLMConfig):
         super().__init__()
@@ -95,10 +126,12 @@ class Block(GradientCheckpointingLayer):  # gradient_checkpointing_enable() reco
         self.gate_up = nn.Linear(d, 2 * f, bias=False)
         self.down = nn.Linear(f, d, bias=False)
 
-    def forward(self, x_BLD, positions_BL, key_mask_B11L):
-        B, L, D = x_BLD.shape
+    def forward(self, x_BLD, positions_BL, key_mask_B11L, cache: BlockCache | None = None, layer: int = 0):
+        B, L, D = x_BLD.shape  # L: the positions run (a cached forward's span)
         q, k, v = self.qkv(self.attn_norm(x_BLD)).view(B, L, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
         q, k = rotary(q, positions_BL, self.theta), rotary(k, positions_BL, self.theta)
+        if cache is not None:
+            k, v = cache.attend_over(layer, k, v)
         attn_BHLD = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask_B11L)
         x_BLD = x_BLD + self.out(attn_BHLD.transpose(1, 2).reshape(B, L, D))
         gate, up = self.gate_up(self.mlp_norm(x_BLD)).chunk(2, dim=-1)
@@ -144,8 +177,10 @@ class DiffusionLM(PreTrainedModel):
         input_ids: torch.LongTensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
+        block_cache: BlockCache | None = None,
         **kwargs,
     ) -> MaskedLMOutput:
+        """With `block_cache` (decoding only), a refresh or a forward of its span; the logits are the span's."""
         ids_BL = input_ids
         if attention_mask is None:
             attention_mask = torch.ones_like(ids_BL)
@@ -154,9 +189,13 @@ class DiffusionLM(PreTrainedModel):
             # Count real tokens only, so left padding does not shift a row's positions.
             position_ids = (real_BL.long().cumsum(-1) - 1).clamp(min=0)
         key_mask_B11L = real_BL[:, None, None, :]
-        x_BLD = self.embed(ids_BL)
-        for block in self.blocks:
-            x_BLD = block(x_BLD, position_ids, key_mask_B11L)
+        a, b = (0, ids_BL.shape[1]) if block_cache is None or block_cache.span is None else block_cache.span
+        if block_cache is not None and block_cache.span is None:
+            block_cache.keys.clear()
+            block_cache.values.clear()
+        x_BLD = self.embed(ids_BL[:, a:b])
+        for layer, block in enumerate(self.blocks):
+            x_BLD = block(x_BLD, position_ids[:, a:b], key_mask_B11L, cache=block_cache, layer=layer)
         return MaskedLMOutput(logits=self.lm_head(self.norm(x_BLD)))
 
 

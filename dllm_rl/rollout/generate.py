@@ -46,6 +46,8 @@ class TextGenerator:
     threshold: float | None = None  # parallel decoding (see rollout/sampler.py); dLLMs only
     factor: float | None = None
     random_first: bool = False
+    cache: str = "none"  # block cache: none | prefix | dual (see rollout/sampler.py); native dLLMs only
+    cache_refresh: int = 0
 
     @property
     def is_diffusion(self) -> bool:
@@ -66,7 +68,8 @@ class TextGenerator:
             return denoise(self.model, ids_BP, mask_BP, gen_length=self.gen_length, block_length=self.block_length,
                            steps=self.steps, temperature=self.temperature, remasking=self.remasking,
                            cfg_scale=self.cfg_scale, threshold=self.threshold, factor=self.factor,
-                           random_first=self.random_first, generators=generators, max_length=max_length)
+                           random_first=self.random_first, cache=self.cache, cache_refresh=self.cache_refresh,
+                           generators=generators, max_length=max_length)
         return sample_causal(self.model, ids_BP, mask_BP, max_new_tokens=self.gen_length, eos_id=self.eos_id,
                              temperature=self.temperature, generators=generators)
 

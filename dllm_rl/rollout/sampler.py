@@ -17,6 +17,13 @@ How it departs from the reference:
 - The mask token is excluded from the predictions (an untrained or RL-drifted model may otherwise
   "unmask" a position into the mask token).
 - It records, for each completion token, the global step at which it was unmasked and its probability.
+
+Faster decoding (Fast-dLLM, arXiv 2505.22618), each off by default, so the default is the exact sampler:
+- `threshold` / `factor`: confidence-parallel commits (`parallel_commits`), as many steps per block as needed;
+- `cache="prefix"` / `"dual"`: a block cache (`policy.modeling.BlockCache`), refreshed by a full forward at the
+  start of every block (and every `cache_refresh` steps inside it, where that is > 0); between refreshes each
+  step runs the current block and what follows it (prefix) or the current block alone (dual). Approximate:
+  the cached keys and values miss the block's newest tokens. `cache_refresh=1` refreshes every step: exact.
 """
 
 from __future__ import annotations
@@ -28,10 +35,12 @@ import torch.nn.functional as F
 
 from dllm_rl.errors import ConfigError, check_ranges, check_types, require
 from dllm_rl.policy.adapters import DiffusionPolicy
+from dllm_rl.policy.modeling import BlockCache
 from dllm_rl.policy.schedule import MaskingSchedule
 from dllm_rl.types import Samples
 
 REMASKING = ("low_confidence", "random")
+CACHE_MODES = ("none", "prefix", "dual")
 
 
 def left_pad(sequences: Sequence[Sequence[int]], pad_id: int,
@@ -46,12 +55,17 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_id: int,
 
 def check_sampler_settings(gen_length: int = 64, block_length: int = 32, steps: int = 64, temperature: float = 0.0,
                            remasking: str = "low_confidence", cfg_scale: float = 0.0, threshold: float | None = None,
-                           factor: float | None = None, random_first: bool = False, key: str = "rollout") -> int:
+                           factor: float | None = None, random_first: bool = False, cache: str = "none",
+                           cache_refresh: int = 0, key: str = "rollout") -> int:
     """The sampler's settings by name, type and range, before any model is loaded (`key` prefixes the names in
     errors); returns the number of blocks."""
     check_types(check_sampler_settings, dict(gen_length=gen_length, block_length=block_length, steps=steps,
                                              temperature=temperature, remasking=remasking, cfg_scale=cfg_scale,
-                                             threshold=threshold, factor=factor, random_first=random_first), key)
+                                             threshold=threshold, factor=factor, random_first=random_first,
+                                             cache=cache, cache_refresh=cache_refresh), key)
+    require(cache in CACHE_MODES, f"{key}.cache must be one of {CACHE_MODES}, got {cache!r}")
+    require(cache_refresh >= 0, f"{key}.cache_refresh={cache_refresh}: expected >= 0 (0: at the start of every "
+            f"block only; n: also every n steps inside a block; 1: every step, exact)")
     check_ranges(dict(gen_length=gen_length, block_length=block_length, steps=steps), dict.fromkeys(
         ("gen_length", "block_length", "steps"), "at_least_1"), key)
     check_ranges(dict(temperature=temperature, cfg_scale=cfg_scale, factor=factor),
@@ -82,11 +96,11 @@ def check_sampler_args(prompt_length: int, max_length: int | None, **settings) -
     return num_blocks
 
 
-def guided_logits(policy: DiffusionPolicy, x_BL, attention_mask_BL, is_prompt_BL, cfg_scale: float):
+def guided_logits(policy: DiffusionPolicy, x_BL, attention_mask_BL, is_prompt_BL, cfg_scale: float, cache=None):
     if cfg_scale == 0:
-        return policy.logits(x_BL, attention_mask_BL)
+        return policy.logits(x_BL, attention_mask_BL, cache)
     uncond_BL = x_BL.masked_fill(is_prompt_BL, policy.mask_id)
-    both = policy.logits(torch.cat([x_BL, uncond_BL]), torch.cat([attention_mask_BL, attention_mask_BL]))
+    both = policy.logits(torch.cat([x_BL, uncond_BL]), torch.cat([attention_mask_BL, attention_mask_BL]), cache)
     cond, uncond = both.chunk(2)
     return uncond + (cfg_scale + 1) * (cond - uncond)
 
@@ -150,17 +164,20 @@ def denoise(
     threshold: float | None = None,
     factor: float | None = None,
     random_first: bool = False,
+    cache: str = "none",
+    cache_refresh: int = 0,
     generators: Sequence[torch.Generator] | None = None,
     schedule: MaskingSchedule | None = None,
     max_length: int | None = None,
 ) -> Samples:
     """Fill a window of `gen_length` masks after each prompt; see the module docstring. With `threshold` or
     `factor` each block takes as many steps as its confident tokens allow (`steps` is not used; at most
-    `block_length` per block); `random_first` commits one random position per row at the first step."""
+    `block_length` per block); `random_first` commits one random position per row at the first step; `cache`
+    decodes with a block cache."""
     B, P = prompt_ids_BP.shape
     settings = dict(gen_length=gen_length, block_length=block_length, steps=steps, temperature=temperature,
                     remasking=remasking, cfg_scale=cfg_scale, threshold=threshold, factor=factor,
-                    random_first=random_first)
+                    random_first=random_first, cache=cache, cache_refresh=cache_refresh)
     num_blocks = check_sampler_args(P, max_length, **settings)
     if temperature > 0 or remasking == "random" or random_first:
         if generators is None or len(generators) != B:
@@ -181,6 +198,7 @@ def denoise(
     unmask_step_BC = torch.full((B, gen_length), -1, dtype=torch.long, device=device)
     confidence_BC = torch.zeros((B, gen_length), dtype=torch.float32, device=device)
     step = 0
+    block_cache = None if cache == "none" else BlockCache()
     for block in range(num_blocks):
         lo, hi = block * block_length, (block + 1) * block_length
         in_block_C = torch.zeros(gen_length, dtype=torch.bool, device=device)
@@ -192,10 +210,9 @@ def denoise(
             eligible_BC = (window_BC == mask_id) & in_block_C  # masked tokens of the current block compete
             if parallel and not eligible_BC.any():
                 break
-            logits_BCV = guided_logits(policy, x_BL, attention_mask_BL, is_prompt_BL, cfg_scale)[:, P:]
-            # Never predict the mask token itself (LLaDA relies on the trained model never doing so).
-            logits_BCV = logits_BCV.clone()
-            logits_BCV[..., mask_id] = float("-inf")
+            refresh = block_cache is None or i == 0 or (cache_refresh > 0 and i % cache_refresh == 0)
+            span = None if refresh else (P + lo, x_BL.shape[1] if cache == "prefix" else P + hi)
+            logits_BCV = window_logits(policy, x_BL, attention_mask_BL, is_prompt_BL, cfg_scale, P, block_cache, span)
             x0_BC = gumbel_argmax(logits_BCV, temperature, generators)
             prob_BC = F.softmax(logits_BCV.double(), dim=-1).gather(-1, x0_BC[..., None]).squeeze(-1)
             if random_first and step == 0:
@@ -209,6 +226,24 @@ def denoise(
             confidence_BC[chosen_BC] = prob_BC[chosen_BC].float()
             step += 1
     return Samples(x_BL, attention_mask_BL, P, unmask_step_BC, confidence_BC, forwards=step * (2 if cfg_scale else 1))
+
+
+def window_logits(policy, x_BL, attention_mask_BL, is_prompt_BL, cfg_scale: float, P: int,
+                  block_cache: BlockCache | None, span: tuple[int, int] | None) -> torch.Tensor:
+    """The completion window's logits (B, C, V), the mask token excluded (LLaDA relies on a trained model never
+    predicting it). With a block cache: a refresh (`span` None: every position, the cache rewritten) or a
+    forward of `span` alone, placed at its positions (the others get zeros: they are outside the current
+    block, so nothing is committed there)."""
+    if block_cache is not None:
+        block_cache.span = span
+    out_BSV = guided_logits(policy, x_BL, attention_mask_BL, is_prompt_BL, cfg_scale, block_cache)
+    if span is None:
+        logits_BCV = out_BSV[:, P:].clone()
+    else:
+        logits_BCV = out_BSV.new_zeros(x_BL.shape[0], x_BL.shape[1] - P, out_BSV.shape[-1])
+        logits_BCV[:, span[0] - P:span[1] - P] = out_BSV
+    logits_BCV[..., policy.mask_id] = float("-inf")
+    return logits_BCV
 
 
 def scheduled_commits(prob_BC: torch.Tensor, eligible_BC: torch.Tensor, transfer_B1: torch.Tensor, remasking: str,
