@@ -161,6 +161,8 @@ class ExternalMixer:
                 kept.append((b, item, rw, bridged[k][1]))
 
         metrics = {f"external/{k}": float(v) for k, v in counts.items()}
+        if chosen and hasattr(self.source, "step_metrics"):
+            metrics |= {f"external/{k}": v for k, v in self.source.step_metrics().items()}
         metrics["external/prompts"] = float(len(chosen))
         metrics["external/rows"] = float(len(kept))
         if source_lengths:

@@ -30,6 +30,7 @@ import torch
 from dllm_rl.data.task import Example, Solution, Task, render_completion, render_prompt
 from dllm_rl.errors import ConfigError, check_kwargs, check_ranges, check_types, pick, require
 from dllm_rl.rollout.sampler import first_eos
+from dllm_rl.rollout.speculative import DraftTree, SpeculativeStats
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,9 @@ class ExternalRollout:
 
 
 class ExternalSource(Protocol):
+    """A source may also have `step_metrics() -> dict[str, float]`, about its last `rollouts` call (logged as
+    external/<key>)."""
+
     name: str
 
     def rollouts(self, task: Task, examples: Sequence[Example], count: int,
@@ -59,32 +63,59 @@ class CausalLMSource:
     name = "causal_lm"
 
     def __init__(self, path: str, temperature: float = 1.0, max_new_tokens: int = 128, dtype: str = "float32",
-                 batch_size: int = 64, trust_remote_code: bool = False, device: str | None = None):
-        """`device`: where the model runs; None (the default) is the trainer's policy device."""
+                 batch_size: int = 64, trust_remote_code: bool = False, device: str | None = None,
+                 draft_tokens: int = 0, draft_match: int = 4, draft_history: int = 16):
+        """`device`: where the model runs; None (the default) is the trainer's policy device. `draft_tokens` > 0
+        samples by speculative decoding (SRT) with up to that many tokens per forward drafted from a tree of the
+        prompt's last `draft_history` rollouts, matching up to `draft_match` tokens of context; the rollouts
+        are the same as with `draft_tokens=0`, token for token, in fewer forwards."""
         from dllm_rl.rollout.generate import load_generator
 
-        check_ranges(dict(temperature=temperature, max_new_tokens=max_new_tokens, batch_size=batch_size),
-                     {"temperature": "non_negative", "max_new_tokens": "at_least_1", "batch_size": "at_least_1"},
+        check_ranges(dict(temperature=temperature, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                          draft_tokens=draft_tokens, draft_match=draft_match, draft_history=draft_history),
+                     {"temperature": "non_negative", "max_new_tokens": "at_least_1", "batch_size": "at_least_1",
+                      "draft_tokens": "non_negative", "draft_match": "at_least_1", "draft_history": "at_least_1"},
                      "external")
         self.generator = load_generator(path, kind="causal", dtype=dtype, trust_remote_code=trust_remote_code,
                                         device=device or "cpu", gen_length=max_new_tokens, temperature=temperature)
         self.path, self.batch_size = path, batch_size
+        self.draft_tokens, self.draft_match, self.draft_history = draft_tokens, draft_match, draft_history
+        self.trees: dict[str, DraftTree] = {}  # per prompt uid; held in memory, not checkpointed (see above)
+        self.stats = SpeculativeStats()
 
     def rollouts(self, task, examples, count, seeds):
         jobs = [(i, j) for i in range(len(examples)) for j in range(count)]
         out: list[list[ExternalRollout]] = [[] for _ in examples]
         tokenizer, eos_id = self.generator.tokenizer, self.generator.eos_id
+        self.stats = SpeculativeStats()
         for lo in range(0, len(jobs), self.batch_size):
             batch = jobs[lo : lo + self.batch_size]
             prompts = [render_prompt(task.prompt(examples[i]), tokenizer) for i, _ in batch]
-            with torch.no_grad():
-                samples = self.generator.sample(prompts, [seeds[i][j] for i, j in batch])
+            samples = self.sample(prompts, [seeds[i][j] for i, j in batch], [examples[i].uid for i, _ in batch])
             ends = first_eos(samples.completion_BC, eos_id).tolist()
             for (i, _), row_C, prob_C, end in zip(batch, samples.completion_BC.tolist(), samples.confidence_BC, ends):
                 logp = float(prob_C[: end + 1].double().log().sum())  # the EOS (if any) is a sampled token too
                 text = tokenizer.decode(row_C[:end], skip_special_tokens=True)
                 out[i].append(ExternalRollout(i, text, self.name, logp))
         return out
+
+    def sample(self, prompts: list[str], seeds: list[int], uids: list[str]):
+        """One batch: plainly, or speculatively with each prompt's tree, which then takes in the new rollouts."""
+        with torch.no_grad():
+            if not self.draft_tokens:
+                return self.generator.sample(prompts, seeds)
+            eos_id, k = self.generator.eos_id, self.draft_tokens
+            trees = [self.trees.setdefault(uid, DraftTree(self.draft_match, self.draft_history)) for uid in uids]
+            samples, stats = self.generator.speculate(prompts, seeds, lambda row, tokens: trees[row].draft(
+                tokens, k, stop=eos_id), k)
+        self.stats.add(stats)
+        for tree, row_C, end in zip(trees, samples.completion_BC.tolist(), first_eos(samples.completion_BC, eos_id).tolist()):
+            tree.insert(row_C[: end + 1])
+        return samples
+
+    def step_metrics(self) -> dict[str, float]:
+        """Speculative decoding's acceptance rate and tokens per forward over the last `rollouts` call."""
+        return self.stats.metrics() if self.draft_tokens else {}
 
 
 class JsonlSource:

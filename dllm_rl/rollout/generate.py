@@ -19,6 +19,7 @@ from dllm_rl.device import device_of, resolve_device
 from dllm_rl.errors import ConfigError, check_kwargs, check_ranges, pick, require
 from dllm_rl.policy.adapters import DTYPES, LOGITS_FNS, MODEL_TYPES, DiffusionPolicy, load_policy, read_config
 from dllm_rl.rollout.causal import sample_causal
+from dllm_rl.rollout.speculative import Drafter, SpeculativeStats, sample_speculative
 from dllm_rl.rollout.sampler import check_sampler_settings, completion_texts, denoise, first_eos, left_pad
 from dllm_rl.seeds import row_generators
 from dllm_rl.types import Samples
@@ -57,12 +58,16 @@ class TextGenerator:
     def eos_id(self) -> int:
         return self.model.eos_id if self.is_diffusion else self.tokenizer.eos_token_id
 
-    def sample(self, prompts: Sequence[str], seeds: Sequence[int]) -> Samples:
+    def encode(self, prompts: Sequence[str], seeds: Sequence[int]):
+        """(ids_BP, mask_BP, generators): the prompts left-padded and one generator per row, where the model is."""
         require(len(prompts) == len(seeds), f"got {len(prompts)} prompts but {len(seeds)} seeds")
         encoded = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
         device = device_of(self.model)  # the prompts, the rollout and the rows' generators live with the model
         ids_BP, mask_BP = left_pad(encoded, self.tokenizer.pad_token_id, device)
-        generators = row_generators(seeds, device)
+        return ids_BP, mask_BP, row_generators(seeds, device)
+
+    def sample(self, prompts: Sequence[str], seeds: Sequence[int]) -> Samples:
+        ids_BP, mask_BP, generators = self.encode(prompts, seeds)
         if self.is_diffusion:
             max_length = self.model.context_length
             return denoise(self.model, ids_BP, mask_BP, gen_length=self.gen_length, block_length=self.block_length,
@@ -72,6 +77,16 @@ class TextGenerator:
                            generators=generators, max_length=max_length)
         return sample_causal(self.model, ids_BP, mask_BP, max_new_tokens=self.gen_length, eos_id=self.eos_id,
                              temperature=self.temperature, generators=generators)
+
+    def speculate(self, prompts: Sequence[str], seeds: Sequence[int], drafter: Drafter,
+                  draft_tokens: int) -> tuple[Samples, SpeculativeStats]:
+        """A causal LM's samples by speculative decoding (rollout/speculative.py): `drafter(row, tokens)` proposes
+        up to `draft_tokens` tokens per forward; the output does not depend on the drafts."""
+        require(not self.is_diffusion, "speculative decoding drafts for a causal LM; this model is a dLLM")
+        ids_BP, mask_BP, generators = self.encode(prompts, seeds)
+        return sample_speculative(self.model, ids_BP, mask_BP, max_new_tokens=self.gen_length, eos_id=self.eos_id,
+                                  temperature=self.temperature, generators=generators, drafter=drafter,
+                                  draft_tokens=draft_tokens)
 
     def __call__(self, prompts: Sequence[str], seeds: Sequence[int]) -> list[Completion]:
         return self.completions(self.sample(prompts, seeds))

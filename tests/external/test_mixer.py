@@ -56,6 +56,30 @@ def test_all_failed_trigger_adds_rows_only_for_failed_prompts(char_tokenizer):
         assert set(completion[len(rows.texts[n]):]) == {char_tokenizer.eos_token_id}
 
 
+@dataclass
+class MeteredSource(FixedSource):
+    """A FixedSource that reports metrics about its last call, as the speculative causal_lm source does."""
+
+    calls: int = 0
+
+    def rollouts(self, task, examples, count, seeds):
+        self.calls += 1
+        return super().rollouts(task, examples, count, seeds)
+
+    def step_metrics(self):
+        return {"spec_acceptance": 0.25 * self.calls}
+
+
+def test_a_source_step_metrics_are_logged_under_external(char_tokenizer):
+    examples = SUDOKU.examples("train", 2, 0)
+    mixer = ExternalMixer(MeteredSource(("<answer>{answer}</answer>",)), MixingConfig(per_prompt=1), MEAN_FIELD)
+    _, metrics = step_rows(mixer, char_tokenizer, torch.zeros(2, 2, dtype=torch.bool), examples)
+    assert metrics["external/spec_acceptance"] == 0.25
+    quiet = ExternalMixer(MeteredSource(("x",)), MixingConfig(per_prompt=1, trigger="all_failed"), MEAN_FIELD)
+    _, metrics = step_rows(quiet, char_tokenizer, torch.ones(2, 2, dtype=torch.bool), examples)
+    assert "external/spec_acceptance" not in metrics and quiet.source.calls == 0  # no prompt fired, no call
+
+
 def test_drop_keeps_overlong_rollouts_out_and_truncate_rescores(char_tokenizer):
     examples = SUDOKU.examples("train", 2, 0)
     templates = ("reasoning " * 5 + "<answer>{answer}</answer>", "<answer>{answer}</answer>")

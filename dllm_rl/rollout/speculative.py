@@ -1,0 +1,237 @@
+"""Speculative sampling from a causal LM, with drafts from a per-prompt tree of its earlier rollouts (SRT).
+
+SRT (arXiv 2601.09083): in RL the rollouts of one prompt resemble each other across steps, so the earlier ones
+make a model-free draft. Here the external autoregressive policy of ERILS is frozen, so its rollouts of a prompt
+come from one distribution and the draft only gets better with time.
+
+Each forward feeds, per row, the last emitted token and up to `k` draft tokens; the logits at every fed
+position give the token the model itself would emit there. The drafts are accepted left to right while they
+equal those tokens; the first disagreement emits the model's token instead, and a fully accepted draft emits
+one more (the token after it). So every forward emits between 1 and k + 1 tokens per row.
+
+The token at completion position t is always the one plain sampling picks: the argmax at temperature 0, and
+otherwise the inverse CDF of softmax(logits / T) at the row's uniform number t (`uniform_BC`, drawn from the
+row's generator once per position, whatever the drafts). Hence:
+- greedy output equals plain greedy generation;
+- at any temperature, the output is that of the same sampler without drafts, token for token, and a resumed
+  run or another tree gives the same rollouts; only the number of forwards changes;
+- for a draft token d (a draft from the tree is deterministic: q is a point mass on d) the draft is accepted
+  with probability p(d) = min(1, p(d) / q(d)) and, rejected, the emitted token is distributed as
+  max(p - q, 0) normalised = p restricted to the other tokens: the standard speculative accept/reject rule,
+  realised with one uniform per position. tests/rollout/test_speculative.py enumerates it exhaustively.
+
+Rejected draft tokens stay in the KV cache with attention mask 0 (later tokens never attend to them), so rows
+that accept different numbers of tokens share one batch; positions count real tokens only.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from dllm_rl.errors import require
+from dllm_rl.rollout.causal import cache_kwargs
+from dllm_rl.types import Samples
+
+START = -1  # the context before a completion's first token (anchors early contexts at the start)
+
+# (row, the row's tokens so far) -> draft tokens for what follows
+Drafter = Callable[[int, list[int]], list[int]]
+
+
+class DraftTree:
+    """The next-token counts after every context of 1..`match` tokens in the last `history` completions of one
+    prompt: a suffix tree cut at depth `match` + 1. `draft` follows the longest context that matches the end of
+    the tokens so far, taking the most frequent next token (ties: the smallest id), for up to k tokens."""
+
+    def __init__(self, match: int = 4, history: int = 16):
+        require(match >= 1 and history >= 1, f"draft_match and draft_history must be >= 1, got {match}, {history}")
+        self.match, self.history = match, history
+        self.rollouts: deque[tuple[int, ...]] = deque()
+        self.next: dict[tuple[int, ...], dict[int, int]] = {}
+
+    def __len__(self) -> int:
+        return len(self.rollouts)
+
+    def insert(self, tokens: Sequence[int]) -> None:
+        """Add one completion (up to and including its EOS); the oldest leaves once there are `history`."""
+        seq = (START, *tokens)
+        self.rollouts.append(seq)
+        self._count(seq, +1)
+        if len(self.rollouts) > self.history:
+            self._count(self.rollouts.popleft(), -1)
+
+    def _count(self, seq: tuple[int, ...], delta: int) -> None:
+        for t in range(1, len(seq)):
+            for m in range(1, min(self.match, t) + 1):
+                counts = self.next.setdefault(seq[t - m : t], {})
+                counts[seq[t]] = counts.get(seq[t], 0) + delta
+                if counts[seq[t]] == 0:
+                    del counts[seq[t]]
+                    if not counts:
+                        del self.next[seq[t - m : t]]
+
+    def draft(self, tokens: Sequence[int], k: int, stop: int | None = None) -> list[int]:
+        """Up to `k` tokens to follow `tokens` (ending after `stop`, the EOS, if drafted)."""
+        context = [START, *tokens] if len(tokens) < self.match else list(tokens[-self.match :])
+        out: list[int] = []
+        while len(out) < k:
+            token = self.most_frequent(context)
+            if token is None:
+                break
+            out.append(token)
+            context.append(token)
+            if token == stop:
+                break
+        return out
+
+    def most_frequent(self, context: Sequence[int]) -> int | None:
+        for m in range(min(self.match, len(context)), 0, -1):
+            counts = self.next.get(tuple(context[-m:]))
+            if counts:
+                return max(counts.items(), key=lambda kv: (kv[1], -kv[0]))[0]
+        return None
+
+
+@dataclass
+class SpeculativeStats:
+    forwards: int = 0  # forward passes of the batch (the prompt's included)
+    row_forwards: int = 0  # forwards summed over the rows still generating in each
+    drafted: int = 0  # draft tokens fed for verification
+    accepted: int = 0  # draft tokens the model accepted
+    emitted: int = 0  # completion tokens written (up to each row's EOS)
+
+    def add(self, other: "SpeculativeStats") -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def metrics(self) -> dict[str, float]:
+        """acceptance: accepted / drafted draft tokens; tokens_per_forward: tokens each generating row wrote per
+        forward (1.0 without drafts)."""
+        return {"spec_acceptance": self.accepted / max(self.drafted, 1),
+                "spec_tokens_per_forward": self.emitted / max(self.row_forwards, 1),
+                "spec_forwards": float(self.forwards)}
+
+
+def choose_tokens(logits_BKV: torch.Tensor, temperature: float,
+                  uniform_BK: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token_BK, prob_BK): the argmax at temperature 0, else the inverse CDF of softmax(logits / T) at the
+    uniform; prob is the token's probability under the sampling distribution (the softmax at T = 1 for argmax)."""
+    logits64 = logits_BKV.double()
+    if temperature == 0:
+        token_BK = logits64.argmax(-1)
+        prob_BKV = F.softmax(logits64, -1)
+    else:
+        prob_BKV = F.softmax(logits64 / temperature, -1)
+        cdf_BKV = prob_BKV.cumsum(-1)
+        # the first token whose CDF passes u (scaled by the total, which rounding may leave a hair under 1)
+        target_BK1 = (uniform_BK * cdf_BKV[..., -1])[..., None]
+        token_BK = torch.searchsorted(cdf_BKV, target_BK1, right=True).squeeze(-1).clamp(max=prob_BKV.shape[-1] - 1)
+    return token_BK, prob_BKV.gather(-1, token_BK[..., None]).squeeze(-1)
+
+
+def accepted_drafts(token_BK1: torch.Tensor, draft_BK: torch.Tensor, has_draft_BK: torch.Tensor) -> torch.Tensor:
+    """accepted_B: how many leading draft tokens equal the model's own tokens at their positions."""
+    agree_BK = (token_BK1[:, :-1] == draft_BK) & has_draft_BK
+    return agree_BK.long().cumprod(-1).sum(-1)
+
+
+def draw_uniforms(generators: Sequence[torch.Generator], n: int, device) -> torch.Tensor:
+    """uniform_BC: one float64 uniform per row and completion position, from the row's generator."""
+    return torch.stack([torch.rand(n, generator=g, dtype=torch.float64, device=g.device) for g in generators]).to(device)
+
+
+@torch.no_grad()
+def sample_speculative(model, prompt_ids_BP: torch.Tensor, prompt_mask_BP: torch.Tensor, *, max_new_tokens: int,
+                       eos_id: int, temperature: float = 0.0, generators: Sequence[torch.Generator] | None = None,
+                       drafter: Drafter | None = None, draft_tokens: int = 0,
+                       uniform_BC: torch.Tensor | None = None) -> tuple[Samples, SpeculativeStats]:
+    """Sample up to `max_new_tokens` after each left-padded prompt (see the module docstring); `drafter(row,
+    tokens)` proposes up to `draft_tokens` tokens (0 or no drafter: one token per forward). `uniform_BC`
+    replaces the draws from `generators`. Rows are filled with EOS after their first EOS, as `sample_causal`."""
+    B, P = prompt_ids_BP.shape
+    C = max_new_tokens
+    require(C > 0, f"max_new_tokens must be positive, got {C}")
+    device = prompt_ids_BP.device
+    if temperature > 0 and uniform_BC is None:
+        require(generators is not None and len(generators) == B,
+                f"sampling at temperature={temperature} needs one torch.Generator per row ({B})")
+        uniform_BC = draw_uniforms(generators, C, device)
+    mask_BL = prompt_mask_BP.long()
+    next_pos_B = mask_BL.sum(-1)  # the position of the next token fed (the first emitted one)
+    out = model(input_ids=prompt_ids_BP, attention_mask=mask_BL,
+                position_ids=(mask_BL.cumsum(-1) - 1).clamp(min=0), use_cache=True)
+    stats = SpeculativeStats(forwards=1, row_forwards=B)
+    tokens: list[list[int]] = [[] for _ in range(B)]
+    probs: list[list[float]] = [[] for _ in range(B)]
+    token_B, prob_B = choose_tokens(out.logits[:, -1:], temperature, None if uniform_BC is None else uniform_BC[:, :1])
+    active = emit(tokens, probs, token_B, prob_B, [0] * B, list(range(B)), eos_id, C)
+    while active:
+        drafts = [draft_for(drafter, b, tokens[b], draft_tokens, C) if b in active else [] for b in range(B)]
+        K = max(len(d) for d in drafts)
+        draft_BK = torch.tensor([d + [eos_id] * (K - len(d)) for d in drafts], dtype=torch.long, device=device).view(B, K)
+        has_draft_BK = torch.arange(K, device=device)[None] < torch.tensor([len(d) for d in drafts], device=device)[:, None]
+        last_B = torch.tensor([t[-1] for t in tokens], dtype=torch.long, device=device)
+        input_BK1 = torch.cat([last_B[:, None], draft_BK], 1)
+        mask_BL = torch.cat([mask_BL, torch.ones((B, K + 1), dtype=torch.long, device=device)], 1)
+        position_BK1 = next_pos_B[:, None] + torch.arange(K + 1, device=device)
+        out = model(input_ids=input_BK1, attention_mask=mask_BL, position_ids=position_BK1, use_cache=True,
+                    **cache_kwargs(model, out))
+        done_count = [len(t) for t in tokens]
+        uniform_BK1 = None
+        if uniform_BC is not None:  # position done_count[b] + i of row b; past the window: unused, clamped
+            index_BK1 = (torch.tensor(done_count, device=device)[:, None] + torch.arange(K + 1, device=device)).clamp(max=C - 1)
+            uniform_BK1 = uniform_BC.gather(1, index_BK1)
+        token_BK1, prob_BK1 = choose_tokens(out.logits, temperature, uniform_BK1)
+        accepted_B = accepted_drafts(token_BK1, draft_BK, has_draft_BK)
+        # the cache keeps the fed last token and the accepted drafts; the rest is masked out for later tokens
+        keep_BK1 = torch.arange(K + 1, device=device)[None] <= accepted_B[:, None]
+        is_active_B = torch.tensor([b in active for b in range(B)], device=device)
+        mask_BL[:, -(K + 1):] = (keep_BK1 & is_active_B[:, None]).long()
+        next_pos_B = next_pos_B + accepted_B + 1
+        stats.forwards += 1
+        stats.row_forwards += len(active)
+        stats.drafted += sum(len(d) for d in drafts)
+        stats.accepted += int(accepted_B[is_active_B].sum())
+        active = emit(tokens, probs, token_BK1, prob_BK1, accepted_B.tolist(), active, eos_id, C)
+    stats.emitted = sum(len(t) for t in tokens)
+    return to_samples(prompt_ids_BP, prompt_mask_BP, tokens, probs, eos_id, C), stats
+
+
+def draft_for(drafter: Drafter | None, row: int, tokens: list[int], k: int, budget: int) -> list[int]:
+    """The row's draft, cut to what the window still holds after the token each forward adds."""
+    if drafter is None or k == 0:
+        return []
+    return list(drafter(row, tokens))[: min(k, budget - len(tokens) - 1)]
+
+
+def emit(tokens, probs, token_BK, prob_BK, accepted_B, active, eos_id: int, C: int) -> list[int]:
+    """Append each active row's accepted tokens and the model's next one (up to its EOS and the window's end);
+    returns the rows still generating."""
+    token_rows, prob_rows = token_BK.tolist(), prob_BK.float().tolist()
+    still = []
+    for b in active:
+        for i in range(int(accepted_B[b]) + 1):
+            tokens[b].append(token_rows[b][i])
+            probs[b].append(prob_rows[b][i])
+            if token_rows[b][i] == eos_id or len(tokens[b]) == C:
+                break
+        if tokens[b][-1] != eos_id and len(tokens[b]) < C:
+            still.append(b)
+    return still
+
+
+def to_samples(prompt_ids_BP, prompt_mask_BP, tokens, probs, eos_id: int, C: int) -> Samples:
+    """The rows as `Samples`: EOS fill after each row's end, confidence 1 there, steps = positions."""
+    device = prompt_ids_BP.device
+    B = len(tokens)
+    completion_BC = torch.tensor([t + [eos_id] * (C - len(t)) for t in tokens], dtype=torch.long, device=device)
+    confidence_BC = torch.tensor([p + [1.0] * (C - len(p)) for p in probs], dtype=torch.float32, device=device)
+    steps_BC = torch.arange(C, device=device).expand(B, -1).clone()
+    return Samples(torch.cat([prompt_ids_BP, completion_BC], 1),
+                   torch.cat([prompt_mask_BP.long(), torch.ones_like(completion_BC)], 1), prompt_ids_BP.shape[1],
+                   steps_BC, confidence_BC)
