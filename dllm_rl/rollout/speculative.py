@@ -90,6 +90,7 @@ class DraftTree:
         return out
 
     def most_frequent(self, context: Sequence[int]) -> int | None:
+        """The most frequent next token after the longest context that matches the end of `context`."""
         for m in range(min(self.match, len(context)), 0, -1):
             counts = self.next.get(tuple(context[-m:]))
             if counts:
@@ -152,52 +153,57 @@ def sample_speculative(model, prompt_ids_BP: torch.Tensor, prompt_mask_BP: torch
                        uniform_BC: torch.Tensor | None = None) -> tuple[Samples, SpeculativeStats]:
     """Sample up to `max_new_tokens` after each left-padded prompt (see the module docstring); `drafter(row,
     tokens)` proposes up to `draft_tokens` tokens (0 or no drafter: one token per forward). `uniform_BC`
-    replaces the draws from `generators`. Rows are filled with EOS after their first EOS, as `sample_causal`."""
-    B, P = prompt_ids_BP.shape
-    C = max_new_tokens
+    replaces the draws from `generators`. Rows are filled with EOS after their first EOS, as `sample_causal`.
+    Finished rows leave the batch (and the KV cache) where the cache can drop rows."""
+    B, C, device = prompt_ids_BP.shape[0], max_new_tokens, prompt_ids_BP.device
     require(C > 0, f"max_new_tokens must be positive, got {C}")
-    device = prompt_ids_BP.device
     if temperature > 0 and uniform_BC is None:
         require(generators is not None and len(generators) == B,
                 f"sampling at temperature={temperature} needs one torch.Generator per row ({B})")
         uniform_BC = draw_uniforms(generators, C, device)
-    mask_BL = prompt_mask_BP.long()
-    next_pos_B = mask_BL.sum(-1)  # the position of the next token fed (the first emitted one)
-    out = model(input_ids=prompt_ids_BP, attention_mask=mask_BL,
-                position_ids=(mask_BL.cumsum(-1) - 1).clamp(min=0), use_cache=True)
+    mask_RL = prompt_mask_BP.long()  # R: the rows in the model's batch (`live`), finished ones dropped
+    next_pos_R = mask_RL.sum(-1)  # the position of the next token fed (the first emitted one)
+    out = model(input_ids=prompt_ids_BP, attention_mask=mask_RL,
+                position_ids=(mask_RL.cumsum(-1) - 1).clamp(min=0), use_cache=True)
     stats = SpeculativeStats(forwards=1, row_forwards=B)
     tokens: list[list[int]] = [[] for _ in range(B)]
     probs: list[list[float]] = [[] for _ in range(B)]
-    token_B, prob_B = choose_tokens(out.logits[:, -1:], temperature, None if uniform_BC is None else uniform_BC[:, :1])
-    active = emit(tokens, probs, token_B, prob_B, [0] * B, list(range(B)), eos_id, C)
+    token_R1, prob_R1 = choose_tokens(out.logits[:, -1:], temperature, None if uniform_BC is None else uniform_BC[:, :1])
+    live = list(range(B))
+    active = emit(tokens, probs, token_R1, prob_R1, [0] * B, live, eos_id, C)
     while active:
-        drafts = [draft_for(drafter, b, tokens[b], draft_tokens, C) if b in active else [] for b in range(B)]
+        cache = next(iter(cache_kwargs(model, out).values()))
+        if len(active) < len(live) and hasattr(cache, "batch_select_indices"):
+            keep_R = torch.tensor([live.index(b) for b in active], device=device)
+            cache.batch_select_indices(keep_R)
+            mask_RL, next_pos_R, live = mask_RL[keep_R], next_pos_R[keep_R], active
+        R = len(live)
+        drafts = [draft_for(drafter, b, tokens[b], draft_tokens, C) if b in active else [] for b in live]
         K = max(len(d) for d in drafts)
-        draft_BK = torch.tensor([d + [eos_id] * (K - len(d)) for d in drafts], dtype=torch.long, device=device).view(B, K)
-        has_draft_BK = torch.arange(K, device=device)[None] < torch.tensor([len(d) for d in drafts], device=device)[:, None]
-        last_B = torch.tensor([t[-1] for t in tokens], dtype=torch.long, device=device)
-        input_BK1 = torch.cat([last_B[:, None], draft_BK], 1)
-        mask_BL = torch.cat([mask_BL, torch.ones((B, K + 1), dtype=torch.long, device=device)], 1)
-        position_BK1 = next_pos_B[:, None] + torch.arange(K + 1, device=device)
-        out = model(input_ids=input_BK1, attention_mask=mask_BL, position_ids=position_BK1, use_cache=True,
+        draft_RK = torch.tensor([d + [eos_id] * (K - len(d)) for d in drafts], dtype=torch.long, device=device).view(R, K)
+        has_draft_RK = torch.arange(K, device=device)[None] < torch.tensor([len(d) for d in drafts], device=device)[:, None]
+        last_R = torch.tensor([tokens[b][-1] for b in live], dtype=torch.long, device=device)
+        mask_RL = torch.cat([mask_RL, torch.ones((R, K + 1), dtype=torch.long, device=device)], 1)
+        out = model(input_ids=torch.cat([last_R[:, None], draft_RK], 1), attention_mask=mask_RL,
+                    position_ids=next_pos_R[:, None] + torch.arange(K + 1, device=device), use_cache=True,
                     **cache_kwargs(model, out))
-        done_count = [len(t) for t in tokens]
-        uniform_BK1 = None
-        if uniform_BC is not None:  # position done_count[b] + i of row b; past the window: unused, clamped
-            index_BK1 = (torch.tensor(done_count, device=device)[:, None] + torch.arange(K + 1, device=device)).clamp(max=C - 1)
-            uniform_BK1 = uniform_BC.gather(1, index_BK1)
-        token_BK1, prob_BK1 = choose_tokens(out.logits, temperature, uniform_BK1)
-        accepted_B = accepted_drafts(token_BK1, draft_BK, has_draft_BK)
+        uniform_RK1 = None
+        if uniform_BC is not None:  # row b's positions len(tokens[b]) + i; past the window: unused, clamped
+            written_R1 = torch.tensor([[len(tokens[b])] for b in live], device=device)
+            uniform_RK1 = uniform_BC[torch.tensor(live, device=device)].gather(
+                1, (written_R1 + torch.arange(K + 1, device=device)).clamp(max=C - 1))
+        token_RK1, prob_RK1 = choose_tokens(out.logits, temperature, uniform_RK1)
+        accepted_R = accepted_drafts(token_RK1, draft_RK, has_draft_RK)
         # the cache keeps the fed last token and the accepted drafts; the rest is masked out for later tokens
-        keep_BK1 = torch.arange(K + 1, device=device)[None] <= accepted_B[:, None]
-        is_active_B = torch.tensor([b in active for b in range(B)], device=device)
-        mask_BL[:, -(K + 1):] = (keep_BK1 & is_active_B[:, None]).long()
-        next_pos_B = next_pos_B + accepted_B + 1
+        is_active_R = torch.tensor([b in active for b in live], device=device)
+        keep_RK1 = torch.arange(K + 1, device=device)[None] <= accepted_R[:, None]
+        mask_RL[:, -(K + 1):] = (keep_RK1 & is_active_R[:, None]).long()
+        next_pos_R = next_pos_R + accepted_R + 1
         stats.forwards += 1
         stats.row_forwards += len(active)
         stats.drafted += sum(len(d) for d in drafts)
-        stats.accepted += int(accepted_B[is_active_B].sum())
-        active = emit(tokens, probs, token_BK1, prob_BK1, accepted_B.tolist(), active, eos_id, C)
+        stats.accepted += int(accepted_R[is_active_R].sum())
+        active = emit(tokens, probs, token_RK1, prob_RK1, accepted_R.tolist(), live, eos_id, C, active)
     stats.emitted = sum(len(t) for t in tokens)
     return to_samples(prompt_ids_BP, prompt_mask_BP, tokens, probs, eos_id, C), stats
 
@@ -209,16 +215,19 @@ def draft_for(drafter: Drafter | None, row: int, tokens: list[int], k: int, budg
     return list(drafter(row, tokens))[: min(k, budget - len(tokens) - 1)]
 
 
-def emit(tokens, probs, token_BK, prob_BK, accepted_B, active, eos_id: int, C: int) -> list[int]:
-    """Append each active row's accepted tokens and the model's next one (up to its EOS and the window's end);
-    returns the rows still generating."""
-    token_rows, prob_rows = token_BK.tolist(), prob_BK.float().tolist()
+def emit(tokens, probs, token_RK, prob_RK, accepted_R, live, eos_id: int, C: int, active=None) -> list[int]:
+    """Append to each active row (`live[i]` is the row of batch entry i) its accepted tokens and the model's next
+    one, up to its EOS and the window's end; returns the rows still generating."""
+    token_rows, prob_rows = token_RK.tolist(), prob_RK.float().tolist()
+    active = set(live if active is None else active)
     still = []
-    for b in active:
-        for i in range(int(accepted_B[b]) + 1):
-            tokens[b].append(token_rows[b][i])
-            probs[b].append(prob_rows[b][i])
-            if token_rows[b][i] == eos_id or len(tokens[b]) == C:
+    for i, b in enumerate(live):
+        if b not in active:
+            continue
+        for j in range(int(accepted_R[i]) + 1):
+            tokens[b].append(token_rows[i][j])
+            probs[b].append(prob_rows[i][j])
+            if token_rows[i][j] == eos_id or len(tokens[b]) == C:
                 break
         if tokens[b][-1] != eos_id and len(tokens[b]) < C:
             still.append(b)

@@ -6,7 +6,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from dllm_rl.rollout.causal import sample_causal
-from dllm_rl.rollout.sampler import left_pad
+from dllm_rl.rollout.sampler import first_eos, left_pad
 from dllm_rl.rollout.speculative import DraftTree, accepted_drafts, choose_tokens, sample_speculative
 from dllm_rl.seeds import row_generators
 
@@ -127,12 +127,31 @@ def test_sampled_output_does_not_depend_on_drafts_or_batch(model):
         for b, tree in enumerate(trees):
             tree.insert(spec.completion_BC[b].tolist())
     assert stats.accepted / stats.drafted == 1.0  # the tree holds this very rollout by the third round
+    assert first_eos(plain.completion_BC, EOS).tolist() == [14, 17, 20, 20, 20]  # two rows leave the batch early
     for b in range(len(prompts)):
         one_ids, one_mask = left_pad([prompts[b]], 0)
         one, _ = sample_speculative(model, one_ids, one_mask, max_new_tokens=20, eos_id=EOS, temperature=0.8,
                                     generators=row_generators([seeds[b]]), drafter=drafter_of([trees[b]], 3),
                                     draft_tokens=3)
         assert torch.equal(one.completion_BC[0], plain.completion_BC[b])
+
+
+def test_finished_rows_stay_in_the_batch_where_the_cache_cannot_drop_them(model, monkeypatch):
+    from transformers.cache_utils import Cache
+
+    prompts = random_prompts(5, 40, seed=2)
+    ids, mask = left_pad(prompts, 0)
+    trees = [DraftTree() for _ in prompts]
+    run = lambda: sample_speculative(model, ids, mask, max_new_tokens=20, eos_id=EOS, temperature=0.8,  # noqa: E731
+                                     generators=row_generators([11, 12, 13, 14, 15]), drafter=drafter_of(trees, 4),
+                                     draft_tokens=4)
+    dropped, _ = run()
+    for b, tree in enumerate(trees):
+        tree.insert(dropped.completion_BC[b, :9].tolist())
+    dropped, dropped_stats = run()
+    monkeypatch.delattr(Cache, "batch_select_indices")
+    kept, kept_stats = run()
+    assert torch.equal(kept.sequences_BL, dropped.sequences_BL) and kept_stats == dropped_stats
 
 
 # ---------------------------------------------------------------------- the accept/reject rule, exhaustively
