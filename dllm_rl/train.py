@@ -219,6 +219,13 @@ def setup(task: Task, cfg: TrainConfig, print_fn, saved_config: dict | None) -> 
                         autocast, print_fn)
 
 
+def held_out_settings(sampler: dict[str, Any]) -> dict[str, Any]:
+    """The sampler of held-out pass@1: the rollouts' window and schedule, decoded exactly and greedily whatever
+    the rollouts use (fast decoding, a temperature floor), so runs with fast and exact rollouts compare."""
+    exact = {"threshold": None, "factor": None, "cache": "none", "random_first": False, "temperature_floor": 0.0}
+    return {**sampler, **exact, "temperature": 0.0}
+
+
 def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned, state, estimator, mixer, advantage,
                  loss_options, autocast, print_fn) -> Run:
     policy, tokenizer, engine = learned.policy, learned.tokenizer, learned.engine
@@ -228,9 +235,7 @@ def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned,
         mixer.check_source(prompts.examples, print_fn)
     generating = lambda: inference(learned.net, engine, autocast)  # noqa: E731
     sampler = TextGenerator(policy, tokenizer, **cfg.sampler)
-    # held-out pass@1 decodes exactly whatever the rollouts use, so runs with fast and exact rollouts compare
-    exact = {"threshold": None, "factor": None, "cache": "none", "random_first": False}
-    greedy = TextGenerator(policy, tokenizer, **{**cfg.sampler, **exact, "temperature": 0.0})
+    greedy = TextGenerator(policy, tokenizer, **held_out_settings(cfg.sampler))
     external = None if mixer is None else ExternalRollouts(
         mixer, task, tokenizer, window=sampler.gen_length, eos_id=policy.eos_id,
         max_length=policy.context_length, seed=cfg.seed, dp=dp, autocast=autocast, device=policy.device)

@@ -35,7 +35,7 @@ from dllm_rl.rollout.sampler import check_sampler_settings
 GROUP_DEFAULTS: dict[str, dict[str, Any]] = {
     "rollout": {"name": "rl", "gen_length": 64, "block_length": 32, "steps": 32, "temperature": 1.0,
                 "remasking": "low_confidence", "cfg_scale": 0.0, "threshold": None, "factor": None,
-                "random_first": False, "cache": "none", "cache_refresh": 0},
+                "random_first": False, "cache": "none", "cache_refresh": 0, "temperature_floor": 0.0},
     "likelihood": {"name": "mean_field", "prompt_mask_prob": 0.15},
     "algo": {"name": "grpo", "advantage": "mean", "eps_low": 0.2, "eps_high": 0.2, "beta": 0.0, "kl": "k3",
              "aggregation": "token", "constant": None},
@@ -136,6 +136,13 @@ class TrainConfig:
         require(not (self.lora["r"] > 0 and self.ref_sync_every > 0),
                 f"ref_sync_every={self.ref_sync_every} with lora.r={self.lora['r']}: with LoRA the reference is the "
                 f"base model (the adapter switched off), which never moves; set ref_sync_every=0")
+        rollout = self.sampler
+        deterministic = (max(rollout["temperature"], rollout["temperature_floor"]) == 0
+                         and rollout["remasking"] == "low_confidence" and not rollout["random_first"])
+        require(not (deterministic and self.external.get("name") == "none"),
+                "rollout.temperature=0 with low-confidence remasking draws no randomness: every rollout of a prompt "
+                "is the same and GRPO's advantages are all zero. Set rollout.temperature > 0, rollout.temperature_floor "
+                "> 0, rollout.random_first=true or rollout.remasking=random (or mix in external rollouts)")
         source = {k: v for k, v in self.external.items() if k != "name"}
         if self.external.get("name") != "none":
             check_source_options(self.external.get("name"), source)

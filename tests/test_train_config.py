@@ -72,3 +72,15 @@ def test_the_8b_recipes_compose_into_valid_configs(experiment):
     assert (config.group_size, config.inner_iterations, config.lora["r"], config.deepspeed["stage"]) == (6, 12, 128, 2)
     assert (config.algo["eps_low"], config.algo["beta"]) == (0.5, 0.04) and config.gradient_checkpointing
     assert config.external["name"] == ("causal_lm" if experiment == "llada8b_erils" else "none")
+
+
+def test_held_out_pass_at_1_decodes_exactly_and_greedily_whatever_the_rollouts_use():
+    from dllm_rl.rollout.sampler import check_sampler_settings
+    from dllm_rl.train import held_out_settings
+
+    fast = TrainConfig(rollout={"threshold": 0.9, "cache": "dual", "random_first": True, "temperature": 0.0,
+                                "temperature_floor": 0.8}).sampler
+    settings = held_out_settings(fast)
+    assert settings == {**fast, "threshold": None, "cache": "none", "random_first": False, "temperature": 0.0,
+                        "temperature_floor": 0.0}
+    check_sampler_settings(**settings)

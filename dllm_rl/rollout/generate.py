@@ -49,10 +49,16 @@ class TextGenerator:
     random_first: bool = False
     cache: str = "none"  # block cache: none | prefix | dual (see rollout/sampler.py); native dLLMs only
     cache_refresh: int = 0
+    temperature_floor: float = 0.0  # the lowest temperature it samples at (see `sampling_temperature`)
 
     @property
     def is_diffusion(self) -> bool:
         return isinstance(self.model, DiffusionPolicy)
+
+    @property
+    def sampling_temperature(self) -> float:
+        """`temperature`, raised to `temperature_floor` where it is lower."""
+        return max(self.temperature, self.temperature_floor)
 
     @property
     def eos_id(self) -> int:
@@ -74,9 +80,10 @@ class TextGenerator:
                            steps=self.steps, temperature=self.temperature, remasking=self.remasking,
                            cfg_scale=self.cfg_scale, threshold=self.threshold, factor=self.factor,
                            random_first=self.random_first, cache=self.cache, cache_refresh=self.cache_refresh,
+                           temperature_floor=self.temperature_floor,
                            generators=generators, max_length=max_length)
         return sample_causal(self.model, ids_BP, mask_BP, max_new_tokens=self.gen_length, eos_id=self.eos_id,
-                             temperature=self.temperature, generators=generators)
+                             temperature=self.sampling_temperature, generators=generators)
 
     def speculate(self, prompts: Sequence[str], seeds: Sequence[int], drafter: Drafter,
                   draft_tokens: int) -> tuple[Samples, SpeculativeStats]:
@@ -85,7 +92,7 @@ class TextGenerator:
         require(not self.is_diffusion, "speculative decoding drafts for a causal LM; this model is a dLLM")
         ids_BP, mask_BP, generators = self.encode(prompts, seeds)
         return sample_speculative(self.model, ids_BP, mask_BP, max_new_tokens=self.gen_length, eos_id=self.eos_id,
-                                  temperature=self.temperature, generators=generators, drafter=drafter,
+                                  temperature=self.sampling_temperature, generators=generators, drafter=drafter,
                                   draft_tokens=draft_tokens)
 
     def __call__(self, prompts: Sequence[str], seeds: Sequence[int]) -> list[Completion]:

@@ -56,20 +56,22 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_id: int,
 def check_sampler_settings(gen_length: int = 64, block_length: int = 32, steps: int = 64, temperature: float = 0.0,
                            remasking: str = "low_confidence", cfg_scale: float = 0.0, threshold: float | None = None,
                            factor: float | None = None, random_first: bool = False, cache: str = "none",
-                           cache_refresh: int = 0, key: str = "rollout") -> int:
+                           cache_refresh: int = 0, temperature_floor: float = 0.0, key: str = "rollout") -> int:
     """The sampler's settings by name, type and range, before any model is loaded (`key` prefixes the names in
     errors); returns the number of blocks."""
     check_types(check_sampler_settings, dict(gen_length=gen_length, block_length=block_length, steps=steps,
                                              temperature=temperature, remasking=remasking, cfg_scale=cfg_scale,
                                              threshold=threshold, factor=factor, random_first=random_first,
-                                             cache=cache, cache_refresh=cache_refresh), key)
+                                             cache=cache, cache_refresh=cache_refresh,
+                                             temperature_floor=temperature_floor), key)
     require(cache in CACHE_MODES, f"{key}.cache must be one of {CACHE_MODES}, got {cache!r}")
     require(cache_refresh >= 0, f"{key}.cache_refresh={cache_refresh}: expected >= 0 (0: at the start of every "
             f"block only; n: also every n steps inside a block; 1: every step, exact)")
     check_ranges(dict(gen_length=gen_length, block_length=block_length, steps=steps), dict.fromkeys(
         ("gen_length", "block_length", "steps"), "at_least_1"), key)
-    check_ranges(dict(temperature=temperature, cfg_scale=cfg_scale, factor=factor),
-                 dict.fromkeys(("temperature", "cfg_scale"), "non_negative") | {"factor": "positive"}, key)
+    check_ranges(dict(temperature=temperature, cfg_scale=cfg_scale, factor=factor, temperature_floor=temperature_floor),
+                 dict.fromkeys(("temperature", "cfg_scale", "temperature_floor"), "non_negative")
+                 | {"factor": "positive"}, key)
     require(threshold is None or (0 < threshold <= 1),
             f"{key}.threshold={threshold!r}: expected a probability in (0, 1] (or null: the fixed schedule)")
     require(threshold is None or factor is None,
@@ -166,6 +168,7 @@ def denoise(
     random_first: bool = False,
     cache: str = "none",
     cache_refresh: int = 0,
+    temperature_floor: float = 0.0,
     generators: Sequence[torch.Generator] | None = None,
     schedule: MaskingSchedule | None = None,
     max_length: int | None = None,
@@ -173,12 +176,14 @@ def denoise(
     """Fill a window of `gen_length` masks after each prompt; see the module docstring. With `threshold` or
     `factor` each block takes as many steps as its confident tokens allow (`steps` is not used; at most
     `block_length` per block); `random_first` commits one random position per row at the first step; `cache`
-    decodes with a block cache."""
+    decodes with a block cache; `temperature_floor` is the lowest temperature it samples at."""
     B, P = prompt_ids_BP.shape
     settings = dict(gen_length=gen_length, block_length=block_length, steps=steps, temperature=temperature,
                     remasking=remasking, cfg_scale=cfg_scale, threshold=threshold, factor=factor,
-                    random_first=random_first, cache=cache, cache_refresh=cache_refresh)
+                    random_first=random_first, cache=cache, cache_refresh=cache_refresh,
+                    temperature_floor=temperature_floor)
     num_blocks = check_sampler_args(P, max_length, **settings)
+    temperature = max(temperature, temperature_floor)
     if temperature > 0 or remasking == "random" or random_first:
         if generators is None or len(generators) != B:
             raise ConfigError(f"sampling with temperature={temperature}, remasking={remasking!r}, random_first="

@@ -83,6 +83,21 @@ def test_random_first_needs_generators(tiny_policy, char_tokenizer):
         denoise(tiny_policy, ids, mask, gen_length=8, block_length=8, steps=8, random_first=True)
 
 
+@pytest.mark.parametrize("threshold", [None, 0.9])
+def test_the_temperature_floor_raises_a_lower_temperature_only(tiny_policy, char_tokenizer, threshold):
+    ids, mask = prompts(char_tokenizer, ("12+7=",) * 4)
+    common = dict(gen_length=16, block_length=8, steps=16, threshold=threshold)
+    run = lambda **kw: denoise(tiny_policy, ids, mask, generators=row_generators([1, 2, 3, 4]), **common, **kw)  # noqa: E731
+    greedy = run(temperature=0.0)
+    assert all(torch.equal(row, greedy.sequences_BL[0]) for row in greedy.sequences_BL)  # a group of one rollout
+    floored = run(temperature=0.0, temperature_floor=0.7)
+    assert torch.equal(floored.sequences_BL, run(temperature=0.7).sequences_BL)
+    assert len({tuple(row.tolist()) for row in floored.sequences_BL}) > 1  # the group explores again
+    assert torch.equal(run(temperature=1.0, temperature_floor=0.7).sequences_BL, run(temperature=1.0).sequences_BL)
+    with pytest.raises(ConfigError, match="rollout.temperature_floor=-1"):
+        run(temperature=1.0, temperature_floor=-1)
+
+
 def test_diversity_metrics_by_hand():
     completions = torch.tensor([[1, 2], [1, 2], [3, 4], [5, 6], [5, 7], [8, 6]])
     assert distinct_share(completions, 3) == pytest.approx(5 / 6)  # groups: 2 distinct of 3, 3 of 3
