@@ -11,7 +11,8 @@ per step (`steps = gen_length`); the speedups are ratios to it, measured in the 
 - `factor=f`: Fast-dLLM's factor rule;
 - `prefix`, `dual`: one token per step with the block cache (refreshed at each block's start), which runs the
   block and what follows it (prefix) or the block alone (dual) between refreshes;
-- `prefix+threshold=t`, `dual+threshold=t`: both.
+- `prefix+threshold=t`, `dual+threshold=t`: both;
+- `dual/refresh=n+threshold=t`: both, the cache also refreshed every n steps inside a block.
 
 Prints a table and writes JSON.
 
@@ -47,6 +48,9 @@ MODES = {
     "dual": lambda C: {"steps": C, "cache": "dual"},
     "prefix+threshold=0.9": lambda C: {"steps": C, "cache": "prefix", "threshold": 0.9},
     "dual+threshold=0.9": lambda C: {"steps": C, "cache": "dual", "threshold": 0.9},
+    "dual+threshold=0.95": lambda C: {"steps": C, "cache": "dual", "threshold": 0.95},
+    "dual/refresh=4+threshold=0.9": lambda C: {"steps": C, "cache": "dual", "cache_refresh": 4, "threshold": 0.9},
+    "dual/refresh=2+threshold=0.9": lambda C: {"steps": C, "cache": "dual", "cache_refresh": 2, "threshold": 0.9},
 }
 
 

@@ -57,7 +57,8 @@ def timed(source, task, examples, group, seeds):
 def run_task(name: str, args) -> list[dict]:
     task = build_task(name)
     examples = task.examples("train", args.prompts, 0)
-    options = dict(temperature=args.temperature, max_new_tokens=args.max_new_tokens, batch_size=args.batch)
+    options = dict(temperature=args.temperature, max_new_tokens=args.max_new_tokens, batch_size=args.batch,
+                   device=args.device)
     plain = CausalLMSource(args.model, **options)
     reference = Undrafted(args.model, **options)
     speculative = {k: CausalLMSource(args.model, draft_tokens=k, **options) for k in args.draft_tokens}
@@ -97,10 +98,12 @@ def main() -> None:
     parser.add_argument("--draft-tokens", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--device", default="cpu", help="where the external model runs: cpu, cuda, cuda:N")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    print(f"{args.device}: {torch.cuda.get_device_name(0) if args.device.startswith('cuda') else platform.processor()}")
     print(f"{'task':<10} {'round':>5} {'mode':<10} {'tokens/s':>9} {'forwards':>8} {'accept':>7} {'tok/fwd':>7} "
           f"{'speedup':>8}")
     rows = [row for name in args.tasks for row in run_task(name, args)]

@@ -62,7 +62,7 @@ WITH_STEPS = {"dllm": {"countdown": False, "sudoku": False}, "ar": {"countdown":
 # grows (1,500 steps each; Countdown / Sudoku greedy pass@1): Sudoku share 0.5 -> 12.5% / 0.0%, 0.75 -> 17.5% /
 # 38.0% (the committed model), 1.0 -> 7.0% / 60.5%.
 SFT_SHARE = {"dllm": {"countdown": 1.0, "sudoku": 0.75}, "ar": {"countdown": 1.0, "sudoku": 1.0}}
-GEN_LENGTH = 64
+GEN_LENGTH = 64  # the completion window of SFT and evaluation (--gen-length changes the dLLM's)
 
 
 def sft_data(n_per_task: int, seed: int, model: str):
@@ -137,7 +137,7 @@ def reuse_built(out: Path, model_class):
 
 
 def build_dllm(out: Path, steps: int, n_per_task: int, eval_prompts: int, seed: int, command: str,
-               eval_only: bool = False) -> dict:
+               eval_only: bool = False, gen_length: int = GEN_LENGTH) -> dict:
     start = time.perf_counter()
     tokenizer = build_char_tokenizer(model_max_length=256, pad_single_digits=True)
     config = DiffusionLMConfig(vocab_size=len(tokenizer), hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
@@ -148,10 +148,10 @@ def build_dllm(out: Path, steps: int, n_per_task: int, eval_prompts: int, seed: 
     model = DiffusionLM(config)
     policy = wrap_model(model, "native", tokenizer)
     schedule = MaskingSchedule()
-    data = drop_overlong(sft_data(n_per_task, seed, "dllm"), tokenizer, GEN_LENGTH)
+    data = drop_overlong(sft_data(n_per_task, seed, "dllm"), tokenizer, gen_length)
 
     def loss_fn(batch, generator):
-        ids, mask, prompt_length = diffusion_batch(tokenizer, batch, GEN_LENGTH)
+        ids, mask, prompt_length = diffusion_batch(tokenizer, batch, gen_length)
         return diffusion_sft_loss(policy, ids, mask, prompt_length, schedule, generator, weighting="masked_mean")
 
     if eval_only:
@@ -161,7 +161,7 @@ def build_dllm(out: Path, steps: int, n_per_task: int, eval_prompts: int, seed: 
         model.train()
         log = train_sft(loss_fn, model.parameters(), data, steps=steps, batch_size=64, lr=2e-3, warmup=100, seed=seed)
         model.eval()
-    generator = TextGenerator(policy, tokenizer, gen_length=GEN_LENGTH, block_length=32, steps=GEN_LENGTH)
+    generator = TextGenerator(policy, tokenizer, gen_length=gen_length, block_length=32, steps=gen_length)
     schedule.save_pretrained(out)
     return evaluate_and_save(out, model, tokenizer, generator, eval_prompts, log, start,
                              "tiny-dllm: the embedded masked-diffusion policy", {
@@ -177,7 +177,7 @@ def build_dllm(out: Path, steps: int, n_per_task: int, eval_prompts: int, seed: 
                      "with a leading zero (4 as 04) and written back without it",
         "training": f"masked-diffusion SFT (linear schedule, mean CE over masked tokens: see "
                     f"`dllm_rl.sft.diffusion_sft_loss` for why not LLaDA's 1/t weight here), {steps} steps x 64 "
-                    f"sequences, AdamW lr 2e-3 cosine, {precision_of(log)}; {len(data)} examples; gen window {GEN_LENGTH}",
+                    f"sequences, AdamW lr 2e-3 cosine, {precision_of(log)}; {len(data)} examples; gen window {gen_length}",
     }, command)
 
 
@@ -229,16 +229,19 @@ def main() -> None:
     parser.add_argument("--eval-prompts", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-only", action="store_true", help="re-evaluate models already in --out (no training)")
+    parser.add_argument("--gen-length", type=int, default=GEN_LENGTH,
+                        help="the dLLM's completion window in SFT and evaluation (e.g. 128 for a model that decodes "
+                             "128-token windows, as scripts/bench_decoding.py needs to measure quality there)")
     args = parser.parse_args()
     # The command that rebuilds the models as they are: the script plus any setting that changes them.
     changed = [f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-               if k in ("dllm_steps", "ar_steps", "examples_per_task", "eval_prompts", "seed") and v != parser.get_default(k)]
+               if k in ("dllm_steps", "ar_steps", "examples_per_task", "eval_prompts", "seed", "gen_length") and v != parser.get_default(k)]
     command = " ".join(["python scripts/build_models.py", *changed])
     torch.set_num_threads(max(1, torch.get_num_threads()))
     results = {}
     if args.only in (None, "dllm"):
         results["tiny-dllm"] = build_dllm(Path(args.out) / "tiny-dllm", args.dllm_steps, args.examples_per_task,
-                                          args.eval_prompts, args.seed, command, args.eval_only)
+                                          args.eval_prompts, args.seed, command, args.eval_only, args.gen_length)
     if args.only in (None, "ar"):
         results["tiny-ar"] = build_ar(Path(args.out) / "tiny-ar", args.ar_steps, args.examples_per_task,
                                       args.eval_prompts, args.seed, command, args.eval_only)

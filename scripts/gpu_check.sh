@@ -12,6 +12,7 @@
 #               the disabled-adapter reference, external rollouts, eval / generate / sft / export on CUDA
 #   train       the main job (the embedded models) for 6 steps on CUDA, held-out pass@1 before and after
 #   step_8b     one GRPO step of a random LLaDA-8B-shaped model: LoRA r=128, gradient checkpointing, bf16, ZeRO-2
+#   speculative speculative external rollouts (SRT) against plain sampling on CUDA (scripts/bench_speculative.py)
 # Exits non-zero when any check fails.
 set -u
 cd "$(dirname "$0")/.."
@@ -66,7 +67,7 @@ PY
 export -f install cuda
 check install 240 bash -c install
 if ! check cuda 60 bash -c cuda; then
-  for name in gpu_tests train step_8b; do
+  for name in gpu_tests train step_8b speculative; do
     echo "FAIL $name (not run: no usable GPU)"
     printf '%s\t%s\t%s\n' "$name" 1 0 >> "$OUT_DIR/checks.tsv"
   done
@@ -78,6 +79,8 @@ check train 180 "$PY" -m dllm_rl.cli train steps=6 eval_every=6 eval_prompts=64 
   run_dir="$WORK/train"
 cp "$WORK/train/metrics.jsonl" "$OUT_DIR/train_metrics.jsonl" 2>/dev/null
 check step_8b 300 "$PY" scripts/gpu_step.py --work "$WORK/step" --out "$OUT_DIR/gpu_step.json"
+check speculative 120 "$PY" scripts/bench_speculative.py --device cuda --rounds 3 --draft-tokens 4 8 \
+  --out "$OUT_DIR/bench_speculative.json"
 fi
 
 "$PY" - "$OUT_DIR" <<'PY'
@@ -94,6 +97,9 @@ if metrics.is_file():
     lines = [json.loads(l) for l in metrics.read_text().splitlines() if l.strip()]
     keep = ("step", "reward/on_policy", "eval/pass@1", "perf/rollout_s", "perf/update_s", "perf/tokens_per_s")
     result["train"] = [{k: l[k] for k in keep if k in l} for l in lines]
+speculative = out / "bench_speculative.json"
+if speculative.is_file():
+    result["speculative"] = json.loads(speculative.read_text())["rows"]
 step = out / "gpu_step.json"
 if step.is_file():
     result["step_8b"] = json.loads(step.read_text())

@@ -35,7 +35,7 @@ def test_gpu_check_says_one_line_per_check_and_fails_without_a_gpu(tmp_path):
     lines = done.stdout.splitlines()
     assert lines[0].startswith("PASS install") and lines[1].startswith("FAIL cuda")
     assert "finds no CUDA GPU" in lines[1]
-    assert [l.split()[1] for l in lines[2:5]] == ["gpu_tests", "train", "step_8b"]
+    assert [l.split()[1] for l in lines[2:6]] == ["gpu_tests", "train", "step_8b", "speculative"]
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert result["checks"]["install"]["passed"] and not result["checks"]["cuda"]["passed"]
-    assert set(result["checks"]) == {"install", "cuda", "gpu_tests", "train", "step_8b"}
+    assert set(result["checks"]) == {"install", "cuda", "gpu_tests", "train", "step_8b", "speculative"}

@@ -80,7 +80,8 @@ class CausalLMSource:
                                         device=device or "cpu", gen_length=max_new_tokens, temperature=temperature)
         self.path, self.batch_size = path, batch_size
         self.draft_tokens, self.draft_match, self.draft_history = draft_tokens, draft_match, draft_history
-        self.trees: dict[str, DraftTree] = {}  # per prompt uid; held in memory, not checkpointed (see above)
+        # per prompt uid, in memory only: a resumed run starts with empty trees, which changes its speed, not its rows
+        self.trees: dict[str, DraftTree] = {}
         self.stats = SpeculativeStats()
 
     def rollouts(self, task, examples, count, seeds):
