@@ -110,7 +110,8 @@ class CausalLMSource:
             samples, stats = self.generator.speculate(prompts, seeds, lambda row, tokens: trees[row].draft(
                 tokens, k, stop=eos_id), k)
         self.stats.add(stats)
-        for tree, row_C, end in zip(trees, samples.completion_BC.tolist(), first_eos(samples.completion_BC, eos_id).tolist()):
+        ends = first_eos(samples.completion_BC, eos_id).tolist()
+        for tree, row_C, end in zip(trees, samples.completion_BC.tolist(), ends):
             tree.insert(row_C[: end + 1])
         return samples
 

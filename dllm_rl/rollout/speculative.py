@@ -143,7 +143,8 @@ def accepted_drafts(token_BK1: torch.Tensor, draft_BK: torch.Tensor, has_draft_B
 
 def draw_uniforms(generators: Sequence[torch.Generator], n: int, device) -> torch.Tensor:
     """uniform_BC: one float64 uniform per row and completion position, from the row's generator."""
-    return torch.stack([torch.rand(n, generator=g, dtype=torch.float64, device=g.device) for g in generators]).to(device)
+    rows = [torch.rand(n, generator=g, dtype=torch.float64, device=g.device) for g in generators]
+    return torch.stack(rows).to(device)
 
 
 @torch.no_grad()
@@ -168,7 +169,8 @@ def sample_speculative(model, prompt_ids_BP: torch.Tensor, prompt_mask_BP: torch
     stats = SpeculativeStats(forwards=1, row_forwards=B)
     tokens: list[list[int]] = [[] for _ in range(B)]
     probs: list[list[float]] = [[] for _ in range(B)]
-    token_R1, prob_R1 = choose_tokens(out.logits[:, -1:], temperature, None if uniform_BC is None else uniform_BC[:, :1])
+    first_R1 = None if uniform_BC is None else uniform_BC[:, :1]
+    token_R1, prob_R1 = choose_tokens(out.logits[:, -1:], temperature, first_R1)
     live = list(range(B))
     active = emit(tokens, probs, token_R1, prob_R1, [0] * B, live, eos_id, C)
     while active:
@@ -180,8 +182,10 @@ def sample_speculative(model, prompt_ids_BP: torch.Tensor, prompt_mask_BP: torch
         R = len(live)
         drafts = [draft_for(drafter, b, tokens[b], draft_tokens, C) if b in active else [] for b in live]
         K = max(len(d) for d in drafts)
-        draft_RK = torch.tensor([d + [eos_id] * (K - len(d)) for d in drafts], dtype=torch.long, device=device).view(R, K)
-        has_draft_RK = torch.arange(K, device=device)[None] < torch.tensor([len(d) for d in drafts], device=device)[:, None]
+        padded = [d + [eos_id] * (K - len(d)) for d in drafts]
+        draft_RK = torch.tensor(padded, dtype=torch.long, device=device).view(R, K)
+        lengths_R1 = torch.tensor([[len(d)] for d in drafts], device=device)
+        has_draft_RK = torch.arange(K, device=device)[None] < lengths_R1
         last_R = torch.tensor([tokens[b][-1] for b in live], dtype=torch.long, device=device)
         mask_RL = torch.cat([mask_RL, torch.ones((R, K + 1), dtype=torch.long, device=device)], 1)
         out = model(input_ids=torch.cat([last_R[:, None], draft_RK], 1), attention_mask=mask_RL,
