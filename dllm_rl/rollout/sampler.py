@@ -210,6 +210,8 @@ def denoise(
         in_block_C[lo:hi] = True
         num_masked_B = (x_BL[:, P + lo : P + hi] == mask_id).sum(-1)
         transfer_BS = schedule.num_transfer_tokens(num_masked_B, steps_per_block).to(device)
+        if random_first and step == 0:
+            transfer_BS = first_step_takes_one(transfer_BS)
         for i in range(block_length if parallel else steps_per_block):
             window_BC = x_BL[:, P:]
             eligible_BC = (window_BC == mask_id) & in_block_C  # masked tokens of the current block compete
@@ -220,12 +222,8 @@ def denoise(
             logits_BCV = window_logits(policy, x_BL, attention_mask_BL, is_prompt_BL, cfg_scale, P, block_cache, span)
             x0_BC = gumbel_argmax(logits_BCV, temperature, generators)
             prob_BC = F.softmax(logits_BCV.double(), dim=-1).gather(-1, x0_BC[..., None]).squeeze(-1)
-            if random_first and step == 0:
-                chosen_BC = random_commit(eligible_BC, generators)
-            elif parallel:
-                chosen_BC = parallel_commits(prob_BC, eligible_BC, threshold, factor)
-            else:
-                chosen_BC = scheduled_commits(prob_BC, eligible_BC, transfer_BS[:, i : i + 1], remasking, generators)
+            chosen_BC = step_commits(prob_BC, eligible_BC, transfer_BS[:, i : i + 1], random_first and step == 0,
+                                     threshold, factor, remasking, generators)
             x_BL[:, P:] = torch.where(chosen_BC, x0_BC, window_BC)
             unmask_step_BC[chosen_BC] = step
             confidence_BC[chosen_BC] = prob_BC[chosen_BC].float()
@@ -249,6 +247,36 @@ def window_logits(policy, x_BL, attention_mask_BL, is_prompt_BL, cfg_scale: floa
         logits_BCV[:, span[0] - P:span[1] - P] = out_BSV
     logits_BCV[..., policy.mask_id] = float("-inf")
     return logits_BCV
+
+
+def step_commits(prob_BC: torch.Tensor, eligible_BC: torch.Tensor, transfer_B1: torch.Tensor, random: bool,
+                 threshold: float | None, factor: float | None, remasking: str, generators) -> torch.Tensor:
+    """The positions one step commits: by the parallel rule, or the schedule's `transfer_B1` by `remasking`.
+    With `random` (the first step under `random_first`) one random position is the first commit: parallel
+    decoding commits it alone, the schedule counts it among the step's commits."""
+    parallel = threshold is not None or factor is not None
+    chosen_BC = torch.zeros_like(eligible_BC)
+    if random:
+        chosen_BC = random_commit(eligible_BC, generators)
+        eligible_BC = torch.zeros_like(eligible_BC) if parallel else eligible_BC & ~chosen_BC
+    if parallel:
+        return chosen_BC | parallel_commits(prob_BC, eligible_BC, threshold, factor)
+    count_B1 = transfer_B1 - chosen_BC.sum(-1, keepdim=True)
+    return chosen_BC | scheduled_commits(prob_BC, eligible_BC, count_B1, remasking, generators)
+
+
+def first_step_takes_one(transfer_BS: torch.Tensor) -> torch.Tensor:
+    """The block's schedule with at least one commit at its first step (the single-step random initialisation
+    takes it): a row whose schedule gives the first step none (a cosine schedule can) moves one from its first
+    step that has some, so every row still commits exactly its masked tokens."""
+    out_BS = transfer_BS.clone()
+    empty_B = out_BS[:, 0] == 0
+    if bool(empty_B.any()):
+        donor_B = (out_BS > 0).int().argmax(-1)
+        rows_B = empty_B.nonzero().squeeze(-1)
+        out_BS[rows_B, donor_B[rows_B]] -= 1
+        out_BS[rows_B, 0] = 1
+    return out_BS
 
 
 def scheduled_commits(prob_BC: torch.Tensor, eligible_BC: torch.Tensor, transfer_B1: torch.Tensor, remasking: str,
