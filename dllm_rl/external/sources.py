@@ -30,7 +30,8 @@ import torch
 from dllm_rl.data.task import Example, Solution, Task, render_completion, render_prompt
 from dllm_rl.errors import ConfigError, check_kwargs, check_ranges, check_types, pick, require
 from dllm_rl.rollout.sampler import first_eos
-from dllm_rl.rollout.speculative import DraftTree, SpeculativeStats
+from dllm_rl.rollout.causal import SpeculativeStats
+from dllm_rl.rollout.speculative import DraftForest
 
 
 @dataclass(frozen=True)
@@ -64,24 +65,27 @@ class CausalLMSource:
 
     def __init__(self, path: str, temperature: float = 1.0, max_new_tokens: int = 128, dtype: str = "float32",
                  batch_size: int = 64, trust_remote_code: bool = False, device: str | None = None,
-                 draft_tokens: int = 0, draft_match: int = 4, draft_history: int = 16):
+                 draft_tokens: int = 0, draft_match: int = 4, draft_history: int = 16,
+                 draft_capacity: int = 1_000_000):
         """`device`: where the model runs; None (the default) is the trainer's policy device. `draft_tokens` > 0
         samples by speculative decoding (SRT) with up to that many tokens per forward drafted from a tree of the
-        prompt's last `draft_history` rollouts, matching up to `draft_match` tokens of context; the rollouts
-        are the same as with `draft_tokens=0`, token for token, in fewer forwards."""
+        prompt's last `draft_history` rollouts, matching up to `draft_match` tokens of context, the trees of all
+        prompts holding at most `draft_capacity` tokens (least recently used prompts dropped first); the
+        rollouts are the same as with `draft_tokens=0`, token for token (one sampling rule), in fewer forwards."""
         from dllm_rl.rollout.generate import load_generator
 
         check_ranges(dict(temperature=temperature, max_new_tokens=max_new_tokens, batch_size=batch_size,
-                          draft_tokens=draft_tokens, draft_match=draft_match, draft_history=draft_history),
+                          draft_tokens=draft_tokens, draft_match=draft_match, draft_history=draft_history,
+                          draft_capacity=draft_capacity),
                      {"temperature": "non_negative", "max_new_tokens": "at_least_1", "batch_size": "at_least_1",
-                      "draft_tokens": "non_negative", "draft_match": "at_least_1", "draft_history": "at_least_1"},
-                     "external")
+                      "draft_tokens": "non_negative", "draft_match": "at_least_1", "draft_history": "at_least_1",
+                      "draft_capacity": "at_least_1"}, "external")
         self.generator = load_generator(path, kind="causal", dtype=dtype, trust_remote_code=trust_remote_code,
                                         device=device or "cpu", gen_length=max_new_tokens, temperature=temperature)
         self.path, self.batch_size = path, batch_size
-        self.draft_tokens, self.draft_match, self.draft_history = draft_tokens, draft_match, draft_history
+        self.draft_tokens = draft_tokens
         # per prompt uid, in memory only: a resumed run starts with empty trees, which changes its speed, not its rows
-        self.trees: dict[str, DraftTree] = {}
+        self.trees = DraftForest(draft_match, draft_history, draft_capacity)
         self.stats = SpeculativeStats()
 
     def rollouts(self, task, examples, count, seeds):
@@ -106,13 +110,13 @@ class CausalLMSource:
             if not self.draft_tokens:
                 return self.generator.sample(prompts, seeds)
             eos_id, k = self.generator.eos_id, self.draft_tokens
-            trees = [self.trees.setdefault(uid, DraftTree(self.draft_match, self.draft_history)) for uid in uids]
+            trees = [self.trees.tree(uid) for uid in uids]
             samples, stats = self.generator.speculate(prompts, seeds, lambda row, tokens: trees[row].draft(
                 tokens, k, stop=eos_id), k)
         self.stats.add(stats)
         ends = first_eos(samples.completion_BC, eos_id).tolist()
-        for tree, row_C, end in zip(trees, samples.completion_BC.tolist(), ends):
-            tree.insert(row_C[: end + 1])
+        for uid, row_C, end in zip(uids, samples.completion_BC.tolist(), ends):
+            self.trees.insert(uid, row_C[: end + 1])
         return samples
 
     def step_metrics(self) -> dict[str, float]:

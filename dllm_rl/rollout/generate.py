@@ -18,8 +18,7 @@ from dllm_rl.data.tokenizers import load_tokenizer
 from dllm_rl.device import device_of, resolve_device
 from dllm_rl.errors import ConfigError, check_kwargs, check_ranges, pick, require
 from dllm_rl.policy.adapters import DTYPES, LOGITS_FNS, MODEL_TYPES, DiffusionPolicy, load_policy, read_config
-from dllm_rl.rollout.causal import sample_causal
-from dllm_rl.rollout.speculative import Drafter, SpeculativeStats, sample_speculative
+from dllm_rl.rollout.causal import Drafter, SpeculativeStats, sample_causal, sample_speculative
 from dllm_rl.rollout.sampler import check_sampler_settings, completion_texts, denoise, first_eos, left_pad
 from dllm_rl.seeds import row_generators
 from dllm_rl.types import Samples
@@ -87,7 +86,7 @@ class TextGenerator:
 
     def speculate(self, prompts: Sequence[str], seeds: Sequence[int], drafter: Drafter,
                   draft_tokens: int) -> tuple[Samples, SpeculativeStats]:
-        """A causal LM's samples by speculative decoding (rollout/speculative.py): `drafter(row, tokens)` proposes
+        """A causal LM's samples by speculative decoding (rollout/causal.py, drafts: rollout/speculative.py): `drafter(row, tokens)` proposes
         up to `draft_tokens` tokens per forward; the output does not depend on the drafts."""
         require(not self.is_diffusion, "speculative decoding drafts for a causal LM; this model is a dLLM")
         ids_BP, mask_BP, generators = self.encode(prompts, seeds)

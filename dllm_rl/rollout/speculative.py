@@ -1,46 +1,24 @@
-"""Speculative sampling from a causal LM, with drafts from a per-prompt tree of its earlier rollouts (SRT).
+"""Drafts for speculative sampling from a causal LM: per-prompt trees of its earlier rollouts (SRT).
 
 SRT (arXiv 2601.09083): in RL the rollouts of one prompt resemble each other across steps, so the earlier ones
 make a model-free draft. Here the external autoregressive policy of ERILS is frozen, so its rollouts of a prompt
-come from one distribution and the draft only gets better with time.
+come from one distribution and the draft only gets better with time. The sampler that verifies the drafts is
+`rollout.causal.sample_speculative`: whatever the drafts, it writes the tokens plain sampling writes.
 
-Each forward feeds, per row, the last emitted token and up to `k` draft tokens; the logits at every fed
-position give the token the model itself would emit there. The drafts are accepted left to right while they
-equal those tokens; the first disagreement emits the model's token instead, and a fully accepted draft emits
-one more (the token after it). So every forward emits between 1 and k + 1 tokens per row.
-
-The token at completion position t is always the one plain sampling picks: the argmax at temperature 0, and
-otherwise the inverse CDF of softmax(logits / T) at the row's uniform number t (`uniform_BC`, drawn from the
-row's generator once per position, whatever the drafts). Hence:
-- greedy output equals plain greedy generation;
-- at any temperature, the output is that of the same sampler without drafts, token for token, and a resumed
-  run or another tree gives the same rollouts; only the number of forwards changes;
-- for a draft token d (a draft from the tree is deterministic: q is a point mass on d) the draft is accepted
-  with probability p(d) = min(1, p(d) / q(d)) and, rejected, the emitted token is distributed as
-  max(p - q, 0) normalised = p restricted to the other tokens: the standard speculative accept/reject rule,
-  realised with one uniform per position. tests/rollout/test_speculative.py enumerates it exhaustively.
-
-Rejected draft tokens stay in the KV cache with attention mask 0 (later tokens never attend to them), so rows
-that accept different numbers of tokens share one batch; positions count real tokens only.
+`DraftForest` keeps one `DraftTree` per prompt within a memory budget: `capacity` rollout tokens over all trees
+(a tree holds its prompt's last `history` rollouts; each token costs about 130 bytes of dict entries at
+`match` = 4). Past the budget the least recently used prompts' trees are dropped. Trees live in memory only: a
+resumed run, or an evicted prompt, starts with an empty tree, which changes the speed, never the rows.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass
-from typing import Callable, Sequence
-
-import torch
-import torch.nn.functional as F
+from collections import OrderedDict, deque
+from typing import Sequence
 
 from dllm_rl.errors import require
-from dllm_rl.rollout.causal import cache_kwargs
-from dllm_rl.types import Samples
 
 START = -1  # the context before a completion's first token (anchors early contexts at the start)
-
-# (row, the row's tokens so far) -> draft tokens for what follows
-Drafter = Callable[[int, list[int]], list[int]]
 
 
 class DraftTree:
@@ -53,6 +31,7 @@ class DraftTree:
         self.match, self.history = match, history
         self.rollouts: deque[tuple[int, ...]] = deque()
         self.next: dict[tuple[int, ...], dict[int, int]] = {}
+        self.tokens = 0  # tokens of the rollouts held
 
     def __len__(self) -> int:
         return len(self.rollouts)
@@ -62,8 +41,11 @@ class DraftTree:
         seq = (START, *tokens)
         self.rollouts.append(seq)
         self._count(seq, +1)
+        self.tokens += len(seq) - 1
         if len(self.rollouts) > self.history:
-            self._count(self.rollouts.popleft(), -1)
+            oldest = self.rollouts.popleft()
+            self._count(oldest, -1)
+            self.tokens -= len(oldest) - 1
 
     def _count(self, seq: tuple[int, ...], delta: int) -> None:
         for t in range(1, len(seq)):
@@ -98,153 +80,32 @@ class DraftTree:
         return None
 
 
-@dataclass
-class SpeculativeStats:
-    forwards: int = 0  # forward passes of the batch (the prompt's included)
-    row_forwards: int = 0  # forwards summed over the rows still generating in each
-    drafted: int = 0  # draft tokens fed for verification
-    accepted: int = 0  # draft tokens the model accepted
-    emitted: int = 0  # completion tokens written (up to each row's EOS)
+class DraftForest:
+    """One `DraftTree` per prompt key, holding at most `capacity` rollout tokens in all; past it the least
+    recently used trees are dropped (a prompt's tree counts as used when it drafts or takes in rollouts)."""
 
-    def add(self, other: "SpeculativeStats") -> None:
-        for name in self.__dataclass_fields__:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+    def __init__(self, match: int = 4, history: int = 16, capacity: int = 1_000_000):
+        require(capacity >= 1, f"external.draft_capacity must be >= 1, got {capacity}")
+        self.match, self.history, self.capacity = match, history, capacity
+        self.trees: OrderedDict[str, DraftTree] = OrderedDict()
+        self.tokens = 0
 
-    def metrics(self) -> dict[str, float]:
-        """acceptance: accepted / drafted draft tokens; tokens_per_forward: tokens each generating row wrote per
-        forward (1.0 without drafts)."""
-        return {"spec_acceptance": self.accepted / max(self.drafted, 1),
-                "spec_tokens_per_forward": self.emitted / max(self.row_forwards, 1),
-                "spec_forwards": float(self.forwards)}
+    def __len__(self) -> int:
+        return len(self.trees)
 
+    def tree(self, key: str) -> DraftTree:
+        """The prompt's tree (a new, empty one for a prompt without), now the most recently used."""
+        if key not in self.trees:
+            self.trees[key] = DraftTree(self.match, self.history)
+        self.trees.move_to_end(key)
+        return self.trees[key]
 
-def choose_tokens(logits_BKV: torch.Tensor, temperature: float,
-                  uniform_BK: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token_BK, prob_BK): the argmax at temperature 0, else the inverse CDF of softmax(logits / T) at the
-    uniform; prob is the token's probability under the sampling distribution (the softmax at T = 1 for argmax)."""
-    logits64 = logits_BKV.double()
-    if temperature == 0:
-        token_BK = logits64.argmax(-1)
-        prob_BKV = F.softmax(logits64, -1)
-    else:
-        prob_BKV = F.softmax(logits64 / temperature, -1)
-        cdf_BKV = prob_BKV.cumsum(-1)
-        # the first token whose CDF passes u (scaled by the total, which rounding may leave a hair under 1)
-        target_BK1 = (uniform_BK * cdf_BKV[..., -1])[..., None]
-        token_BK = torch.searchsorted(cdf_BKV, target_BK1, right=True).squeeze(-1).clamp(max=prob_BKV.shape[-1] - 1)
-    return token_BK, prob_BKV.gather(-1, token_BK[..., None]).squeeze(-1)
-
-
-def accepted_drafts(token_BK1: torch.Tensor, draft_BK: torch.Tensor, has_draft_BK: torch.Tensor) -> torch.Tensor:
-    """accepted_B: how many leading draft tokens equal the model's own tokens at their positions."""
-    agree_BK = (token_BK1[:, :-1] == draft_BK) & has_draft_BK
-    return agree_BK.long().cumprod(-1).sum(-1)
-
-
-def draw_uniforms(generators: Sequence[torch.Generator], n: int, device) -> torch.Tensor:
-    """uniform_BC: one float64 uniform per row and completion position, from the row's generator."""
-    rows = [torch.rand(n, generator=g, dtype=torch.float64, device=g.device) for g in generators]
-    return torch.stack(rows).to(device)
-
-
-@torch.no_grad()
-def sample_speculative(model, prompt_ids_BP: torch.Tensor, prompt_mask_BP: torch.Tensor, *, max_new_tokens: int,
-                       eos_id: int, temperature: float = 0.0, generators: Sequence[torch.Generator] | None = None,
-                       drafter: Drafter | None = None, draft_tokens: int = 0,
-                       uniform_BC: torch.Tensor | None = None) -> tuple[Samples, SpeculativeStats]:
-    """Sample up to `max_new_tokens` after each left-padded prompt (see the module docstring); `drafter(row,
-    tokens)` proposes up to `draft_tokens` tokens (0 or no drafter: one token per forward). `uniform_BC`
-    replaces the draws from `generators`. Rows are filled with EOS after their first EOS, as `sample_causal`.
-    Finished rows leave the batch (and the KV cache) where the cache can drop rows."""
-    B, C, device = prompt_ids_BP.shape[0], max_new_tokens, prompt_ids_BP.device
-    require(C > 0, f"max_new_tokens must be positive, got {C}")
-    if temperature > 0 and uniform_BC is None:
-        require(generators is not None and len(generators) == B,
-                f"sampling at temperature={temperature} needs one torch.Generator per row ({B})")
-        uniform_BC = draw_uniforms(generators, C, device)
-    mask_RL = prompt_mask_BP.long()  # R: the rows in the model's batch (`live`), finished ones dropped
-    next_pos_R = mask_RL.sum(-1)  # the position of the next token fed (the first emitted one)
-    out = model(input_ids=prompt_ids_BP, attention_mask=mask_RL,
-                position_ids=(mask_RL.cumsum(-1) - 1).clamp(min=0), use_cache=True)
-    stats = SpeculativeStats(forwards=1, row_forwards=B)
-    tokens: list[list[int]] = [[] for _ in range(B)]
-    probs: list[list[float]] = [[] for _ in range(B)]
-    first_R1 = None if uniform_BC is None else uniform_BC[:, :1]
-    token_R1, prob_R1 = choose_tokens(out.logits[:, -1:], temperature, first_R1)
-    live = list(range(B))
-    active = emit(tokens, probs, token_R1, prob_R1, [0] * B, live, eos_id, C)
-    while active:
-        cache = next(iter(cache_kwargs(model, out).values()))
-        if len(active) < len(live) and hasattr(cache, "batch_select_indices"):
-            keep_R = torch.tensor([live.index(b) for b in active], device=device)
-            cache.batch_select_indices(keep_R)
-            mask_RL, next_pos_R, live = mask_RL[keep_R], next_pos_R[keep_R], active
-        R = len(live)
-        drafts = [draft_for(drafter, b, tokens[b], draft_tokens, C) if b in active else [] for b in live]
-        K = max(len(d) for d in drafts)
-        padded = [d + [eos_id] * (K - len(d)) for d in drafts]
-        draft_RK = torch.tensor(padded, dtype=torch.long, device=device).view(R, K)
-        lengths_R1 = torch.tensor([[len(d)] for d in drafts], device=device)
-        has_draft_RK = torch.arange(K, device=device)[None] < lengths_R1
-        last_R = torch.tensor([tokens[b][-1] for b in live], dtype=torch.long, device=device)
-        mask_RL = torch.cat([mask_RL, torch.ones((R, K + 1), dtype=torch.long, device=device)], 1)
-        out = model(input_ids=torch.cat([last_R[:, None], draft_RK], 1), attention_mask=mask_RL,
-                    position_ids=next_pos_R[:, None] + torch.arange(K + 1, device=device), use_cache=True,
-                    **cache_kwargs(model, out))
-        uniform_RK1 = None
-        if uniform_BC is not None:  # row b's positions len(tokens[b]) + i; past the window: unused, clamped
-            written_R1 = torch.tensor([[len(tokens[b])] for b in live], device=device)
-            uniform_RK1 = uniform_BC[torch.tensor(live, device=device)].gather(
-                1, (written_R1 + torch.arange(K + 1, device=device)).clamp(max=C - 1))
-        token_RK1, prob_RK1 = choose_tokens(out.logits, temperature, uniform_RK1)
-        accepted_R = accepted_drafts(token_RK1, draft_RK, has_draft_RK)
-        # the cache keeps the fed last token and the accepted drafts; the rest is masked out for later tokens
-        is_active_R = torch.tensor([b in active for b in live], device=device)
-        keep_RK1 = torch.arange(K + 1, device=device)[None] <= accepted_R[:, None]
-        mask_RL[:, -(K + 1):] = (keep_RK1 & is_active_R[:, None]).long()
-        next_pos_R = next_pos_R + accepted_R + 1
-        stats.forwards += 1
-        stats.row_forwards += len(active)
-        stats.drafted += sum(len(d) for d in drafts)
-        stats.accepted += int(accepted_R[is_active_R].sum())
-        active = emit(tokens, probs, token_RK1, prob_RK1, accepted_R.tolist(), live, eos_id, C, active)
-    stats.emitted = sum(len(t) for t in tokens)
-    return to_samples(prompt_ids_BP, prompt_mask_BP, tokens, probs, eos_id, C), stats
-
-
-def draft_for(drafter: Drafter | None, row: int, tokens: list[int], k: int, budget: int) -> list[int]:
-    """The row's draft, cut to what the window still holds after the token each forward adds."""
-    if drafter is None or k == 0:
-        return []
-    return list(drafter(row, tokens))[: min(k, budget - len(tokens) - 1)]
-
-
-def emit(tokens, probs, token_RK, prob_RK, accepted_R, live, eos_id: int, C: int, active=None) -> list[int]:
-    """Append to each active row (`live[i]` is the row of batch entry i) its accepted tokens and the model's next
-    one, up to its EOS and the window's end; returns the rows still generating."""
-    token_rows, prob_rows = token_RK.tolist(), prob_RK.float().tolist()
-    active = set(live if active is None else active)
-    still = []
-    for i, b in enumerate(live):
-        if b not in active:
-            continue
-        for j in range(int(accepted_R[i]) + 1):
-            tokens[b].append(token_rows[i][j])
-            probs[b].append(prob_rows[i][j])
-            if token_rows[i][j] == eos_id or len(tokens[b]) == C:
-                break
-        if tokens[b][-1] != eos_id and len(tokens[b]) < C:
-            still.append(b)
-    return still
-
-
-def to_samples(prompt_ids_BP, prompt_mask_BP, tokens, probs, eos_id: int, C: int) -> Samples:
-    """The rows as `Samples`: EOS fill after each row's end, confidence 1 there, steps = positions."""
-    device = prompt_ids_BP.device
-    B = len(tokens)
-    completion_BC = torch.tensor([t + [eos_id] * (C - len(t)) for t in tokens], dtype=torch.long, device=device)
-    confidence_BC = torch.tensor([p + [1.0] * (C - len(p)) for p in probs], dtype=torch.float32, device=device)
-    steps_BC = torch.arange(C, device=device).expand(B, -1).clone()
-    return Samples(torch.cat([prompt_ids_BP, completion_BC], 1),
-                   torch.cat([prompt_mask_BP.long(), torch.ones_like(completion_BC)], 1), prompt_ids_BP.shape[1],
-                   steps_BC, confidence_BC)
+    def insert(self, key: str, tokens: Sequence[int]) -> None:
+        """Add one completion to the prompt's tree, then drop the least recently used trees over capacity."""
+        tree = self.tree(key)
+        before = tree.tokens
+        tree.insert(tokens)
+        self.tokens += tree.tokens - before
+        while self.tokens > self.capacity and len(self.trees) > 1:
+            _, oldest = self.trees.popitem(last=False)
+            self.tokens -= oldest.tokens

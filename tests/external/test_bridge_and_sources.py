@@ -148,7 +148,8 @@ def test_causal_lm_source_speculative_rollouts_are_the_plain_ones_in_fewer_forwa
     second = source.rollouts(task, examples, 2, seeds)
     warm = source.step_metrics()
     same_rollouts(second, first)  # the same seeds, the same rollouts, whatever the trees hold
-    assert set(source.trees) == {ex.uid for ex in examples} and all(len(t) == 4 for t in source.trees.values())
+    assert set(source.trees.trees) == {ex.uid for ex in examples}
+    assert all(len(t) == 4 for t in source.trees.trees.values())
     assert warm["spec_acceptance"] > 0.7 and warm["spec_tokens_per_forward"] > 3  # measured 0.84 and 4.8
     assert warm["spec_forwards"] < cold["spec_forwards"] / 2
     # the behaviour log-prob is still the sampled tokens' log-probability, EOS included
@@ -161,6 +162,25 @@ def test_causal_lm_source_speculative_rollouts_are_the_plain_ones_in_fewer_forwa
         logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1].double()
     expected = logits.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None]).sum()
     assert first[1][0].behaviour_logp == pytest.approx(float(expected), abs=1e-3)
+
+
+@pytest.mark.slow
+def test_causal_lm_source_samples_the_same_rows_with_and_without_drafts():
+    """At temperature 1 (the default) `draft_tokens=0` and `draft_tokens=4` are one sampling rule: the same seeds
+    give the same rows, before the trees have learned anything and after; a capacity smaller than the prompts'
+    rollouts drops trees and changes nothing either."""
+    task = build_task("countdown")
+    examples = task.examples("train", 4, 0)
+    seeds = [[31 + 3 * i, 32 + 3 * i, 33 + 3 * i] for i in range(4)]
+    plain = CausalLMSource(TINY_AR, temperature=1.0, max_new_tokens=40)
+    drafted = CausalLMSource(TINY_AR, temperature=1.0, max_new_tokens=40, draft_tokens=4)
+    small = CausalLMSource(TINY_AR, temperature=1.0, max_new_tokens=40, draft_tokens=4, draft_capacity=60)
+    expected = plain.rollouts(task, examples, 3, seeds)
+    for round_ in range(2):
+        same_rollouts(drafted.rollouts(task, examples, 3, seeds), expected)
+        same_rollouts(small.rollouts(task, examples, 3, seeds), expected)
+    assert drafted.step_metrics()["spec_acceptance"] > 0.5  # the second round drafted from the first
+    assert len(small.trees) < len(examples) and (small.trees.tokens <= 60 or len(small.trees) == 1)
 
 
 def same_rollouts(got, expected):

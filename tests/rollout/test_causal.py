@@ -45,7 +45,8 @@ def test_sampling_batched_equals_per_row_and_probabilities(tiny_ar, char_tokeniz
 
 
 class ForceEOS(torch.nn.Module):
-    """Wraps a causal LM and makes EOS the certain next token of the rows in `rows`."""
+    """Wraps a causal LM and makes EOS the certain first token of the rows in `rows` (at the prompt's forward,
+    when the batch still holds every row: finished rows leave it later)."""
 
     def __init__(self, model, eos_id, rows):
         super().__init__()
@@ -53,7 +54,8 @@ class ForceEOS(torch.nn.Module):
 
     def forward(self, cache=None, **kwargs):
         out = self.model(cache=cache, **kwargs)
-        out.logits[self.rows, :, self.eos_id] = 1e4
+        if cache is None:
+            out.logits[self.rows, :, self.eos_id] = 1e4
         return out
 
 

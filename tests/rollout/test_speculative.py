@@ -5,9 +5,9 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from dllm_rl.rollout.causal import sample_causal
+from dllm_rl.rollout.causal import accepted_drafts, choose_tokens, sample_causal, sample_speculative
 from dllm_rl.rollout.sampler import first_eos, left_pad
-from dllm_rl.rollout.speculative import DraftTree, accepted_drafts, choose_tokens, sample_speculative
+from dllm_rl.rollout.speculative import DraftForest, DraftTree
 from dllm_rl.seeds import row_generators
 
 EOS = 2
@@ -67,6 +67,23 @@ def test_tree_anchors_early_contexts_at_the_start_and_forgets_beyond_its_history
     assert tree.draft([4, 4], 1) == []  # its contexts are gone, counts and keys both
     assert all(counts for counts in tree.next.values())
     assert tree.next[(-1,)] == {1: 2}
+
+
+def test_the_forest_drops_the_least_recently_used_trees_past_its_capacity():
+    forest = DraftForest(match=2, history=2, capacity=10)
+    forest.insert("a", [5, 6, 7])
+    forest.insert("b", [5, 6, 8, EOS])
+    assert forest.tokens == 7 and list(forest.trees) == ["a", "b"]
+    forest.tree("a")  # drafting from a's tree makes it the most recently used
+    forest.insert("c", [9, 9, 9])  # 10 tokens: at capacity, nothing dropped
+    assert forest.tokens == 10 and list(forest.trees) == ["b", "a", "c"]
+    forest.insert("c", [1])  # 11 > 10: b, the least recently used, goes
+    assert list(forest.trees) == ["a", "c"] and forest.tokens == 7
+    forest.insert("c", [2, 2])  # c holds its last 2 rollouts only (history): [1], [2, 2]
+    assert forest.trees["c"].tokens == 3 and forest.tokens == 6
+    forest.insert("d", [3] * 12)  # one tree over capacity alone: the others go, it stays (history bounds it)
+    assert list(forest.trees) == ["d"] and forest.tokens == 12
+    assert forest.tree("e").draft([], 2) == [] and len(forest) == 2  # a new prompt starts with an empty tree
 
 
 def test_choose_tokens_and_accepted_drafts_by_hand():
