@@ -44,7 +44,8 @@ MARKER = "COMPLETE"
 MANIFEST = "MANIFEST.json"
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: Path, text: str) -> None:
+    """Write `text` to `path` so that a kill leaves the old file or the new one, never half of one."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as f:
         f.write(text)
@@ -91,7 +92,7 @@ def save_checkpoint(run_dir: str | Path, step: int, engine: Engine, scheduler, s
     if world.is_main:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        _atomic_write(root / "latest", final.name + "\n")
+        atomic_write(root / "latest", final.name + "\n")
         for old in sorted(complete_checkpoints(run_dir))[:-keep_last] if keep_last > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     barrier(world)
@@ -115,9 +116,12 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return complete[-1] if complete else None
 
 
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+def _sha256(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:  # in chunks: a weights file need not fit in memory (hashlib.file_digest is 3.11+)
+        for block in iter(lambda: f.read(chunk), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def write_manifest(directory: Path) -> None:
