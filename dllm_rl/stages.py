@@ -252,7 +252,9 @@ ORDERED = build_estimator({"name": "ordered", "group": 1})
 class Learner:
     """mu inner iterations over minibatches of the step's rows (the single-process plan, cut to this rank's
     rows), the clipped surrogate (+ beta * KL) per minibatch, one engine update each; then the LR schedule and
-    the reference sync. A step without a learning signal (every advantage 0 on every rank) makes no update.
+    the reference sync. A step without a learning signal (no row on any rank with both a non-zero advantage
+    and a non-zero loss weight) makes no update, so AdamW's moments cannot move the weights on zero gradients;
+    it is logged as `policy/no_signal` = 1.
     A non-finite loss or gradient skips its update; `max_bad_steps` of them in a row stop the run."""
 
     engine: Engine
@@ -272,7 +274,7 @@ class Learner:
 
     def update(self, batch: StepBatch) -> dict[str, float]:
         parts = list(batch.rows.values())
-        informative = self.dp.any(any(bool((p.adv_N != 0).any()) for p in parts))
+        informative = self.dp.any(any(bool(has_signal(p).any()) for p in parts))
         aggregation = self.loss_options.get("aggregation", "token")
         losses: list[dict[str, float]] = []
         for it in range(self.iterations) if informative else []:
@@ -281,7 +283,7 @@ class Learner:
             for picks in self.dp.minibatch_plan(parts, self.minibatch_mix, shuffle):
                 with self.autocast:
                     inputs = loss_inputs(parts, picks, self.policy, it, self.reuse_current, pad_empty=self.dp.pads)
-                units = self.dp.total(aggregation_units(inputs["mask_NC"], aggregation))
+                units = self.dp.total(aggregation_units(inputs["mask_NC"], aggregation, inputs["weights_N"]))
                 loss, metrics = grpo_loss(**inputs, **self.loss_options, global_units=units, ranks=self.dp.size)
                 update = self.engine.update(loss)
                 if not update.applied:
@@ -294,7 +296,8 @@ class Learner:
             self.scheduler.step()
         if self.reference is not None and self.ref_sync_every > 0 and (batch.step + 1) % self.ref_sync_every == 0:
             self.engine.sync_reference(self.reference.model)
-        out = {"policy/updates": float(len(losses)), "policy/lr": self.scheduler.get_last_lr()[0]}
+        out = {"policy/updates": float(len(losses)), "policy/lr": self.scheduler.get_last_lr()[0],
+               "policy/no_signal": float(not informative)}
         return {**out, **{k: sum(m[k] for m in losses) / len(losses) for k in (losses[0] if losses else {})}}
 
     def bad_update(self, step: int, why: str) -> None:
@@ -303,6 +306,13 @@ class Learner:
         if self.bad_steps >= self.max_bad_steps:
             raise RunStopped(f"stopping: {self.bad_steps} non-finite updates in a row (max_bad_steps="
                              f"{self.max_bad_steps}); lower lr, or resume from the last checkpoint")
+
+
+def has_signal(rows: Rows) -> torch.Tensor:
+    """signal_N: the rows that can move the weights: a non-zero advantage and a non-zero loss weight (a row
+    rejected by the sampler correction, or dropped by a filter, has weight 0)."""
+    signal_N = rows.adv_N != 0
+    return signal_N if rows.weight_N is None else signal_N & (rows.weight_N != 0)
 
 
 # ------------------------------------------------------------------------------------------ metrics

@@ -141,6 +141,24 @@ def test_the_learner_updates_once_per_minibatch_when_there_is_a_signal(learner, 
     assert ("loss/policy" in metrics) == (updates > 0) and learner.bad_steps == 0
 
 
+def test_a_step_whose_signal_rows_all_have_weight_zero_makes_no_update(learner, make_rows):
+    """Rows with an advantage but loss weight 0 (all rejected by the sampler correction) carry no signal: no
+    optimizer step runs, so AdamW's moments never see a zero gradient and the weights do not move."""
+    batch = batch_of(ARITHMETIC.examples("train", 2, 0))
+    batch.rows["on_policy"] = on = scored(make_rows("on_policy", 4, prompts=2), [1, 0, 0, 1])
+    assign_advantages(batch, "mean", None, learner.dp)
+    on.weight_N = torch.zeros(4)
+    learner.dp.shard_sources(batch.rows, {"on_policy": MEAN_FIELD})
+    score_old_and_reference(batch, learner.policy, None, 2, False, 0, contextlib.nullcontext())
+    before = [p.detach().clone() for p in learner.engine.module.parameters()]
+    metrics = learner.update(batch)
+    assert metrics["policy/updates"] == 0 and metrics["policy/no_signal"] == 1.0
+    assert all(torch.equal(b, p) for b, p in zip(before, learner.engine.module.parameters()))
+    assert not learner.engine.optimizer.state  # AdamW never stepped: no moments
+    on.weight_N = torch.tensor([0.0, 1.0, 1.0, 1.0])  # one rejected row: the step trains on the other three
+    assert learner.update(batch)["policy/no_signal"] == 0.0
+
+
 def test_step_metrics_from_a_batch(make_rows):
     batch = batch_of(ARITHMETIC.examples("train", 2, 0))
     batch.rows["on_policy"] = on = scored(make_rows("on_policy", 4, prompts=2), [1, 0, 1, 1])

@@ -162,13 +162,18 @@ def aggregate(loss_NC: torch.Tensor, mask_NC: torch.Tensor, how: str, constant: 
     return loss * ranks if ranks > 1 else loss
 
 
-def aggregation_units(mask_NC: torch.Tensor, how: str) -> float:
+def aggregation_units(mask_NC: torch.Tensor, how: str, weights_N: torch.Tensor | None = None) -> float:
     """What `aggregate` divides by, less the constant: counted tokens ("token"), or rows with a counted token
-    ("sequence", "constant")."""
+    ("sequence", "constant"). Rows whose loss weight is 0 (a rollout rejected by the sampler correction, a
+    stand-in row) are not counted: the loss is the mean over the rows that remain, so rejecting rows does not
+    shrink the others' share. Other weights scale a row's terms, not the count."""
     pick(AGGREGATIONS, how, "loss aggregation")
+    counted_NC = mask_NC != 0
+    if weights_N is not None:
+        counted_NC = counted_NC & (weights_N != 0)[:, None]
     if how == "token":
-        return float((mask_NC != 0).sum())
-    return float(((mask_NC != 0).sum(dim=1) > 0).sum())
+        return float(counted_NC.sum())
+    return float((counted_NC.sum(dim=1) > 0).sum())
 
 
 def grpo_loss(
@@ -226,7 +231,8 @@ def grpo_loss(
     if weights_N is not None:
         weight_N1 = weights_N.detach().to(policy_NC.dtype).unsqueeze(1)
         policy_NC, kl_NC = policy_NC * weight_N1, kl_NC * weight_N1
-    agg = dict(how=aggregation, constant=constant, global_units=global_units, ranks=ranks)
+    units = aggregation_units(mask_NC, aggregation, weights_N) if global_units is None else global_units
+    agg = dict(how=aggregation, constant=constant, global_units=units, ranks=ranks)
     loss = aggregate(policy_NC + beta * kl_NC, mask_NC, **agg)
 
     with torch.no_grad():

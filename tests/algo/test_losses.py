@@ -104,6 +104,23 @@ def test_aggregation_units_are_what_aggregate_divides_by():
     assert aggregation_units(MASK, "sequence") == 2.0 == aggregation_units(MASK, "constant")  # rows with one
 
 
+def test_rows_of_weight_zero_do_not_dilute_the_loss_of_the_rest():
+    """A rejected row (weight 0) leaves the normaliser: the loss of the kept rows is what it is without the
+    rejected ones; a weight other than 0 scales a row but still counts it."""
+    logp, old = torch.tensor([[-1.0, -2.0], [-0.5, -0.1], [-3.0, -1.0]]), torch.zeros(3, 2)
+    adv, mask = torch.tensor([1.0, -1.0, 2.0]), torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0]])
+    assert aggregation_units(mask, "token", torch.tensor([1.0, 0.0, 0.5])) == 4.0
+    assert aggregation_units(mask, "sequence", torch.tensor([0.0, 0.0, 0.5])) == 1.0
+    for how in ("token", "sequence"):
+        kept, _ = grpo_loss(logp[[0, 2]], old[[0, 2]], None, adv[[0, 2]], mask[[0, 2]], aggregation=how)
+        rejected, _ = grpo_loss(logp, old, None, adv, mask, aggregation=how, weights_N=torch.tensor([1.0, 0.0, 1.0]))
+        close(rejected, kept)
+    # token aggregation by hand: ratios e^-1, e^-2 (A = 1) and e^-3, e^-1 (A = 2); with A > 0 and a ratio below
+    # 1 - eps the unclipped term ratio * A is the smaller one: -(3 e^-1 + e^-2 + 2 e^-3) / 4 counted tokens
+    expected = -(3 * math.exp(-1) + math.exp(-2) + 2 * math.exp(-3)) / 4
+    close(grpo_loss(logp, old, None, adv, mask, weights_N=torch.tensor([1.0, 0.0, 1.0]))[0], torch.tensor(expected))
+
+
 @pytest.mark.parametrize("how", ["token", "sequence", "constant"])
 def test_ranks_given_the_global_units_average_to_the_one_process_loss_and_gradient(how):
     """Rows split over two "ranks" (one also holding an empty stand-in row): each rank divides by the units
