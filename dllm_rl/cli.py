@@ -13,11 +13,9 @@ package (an editable install from a clone).
 from __future__ import annotations
 
 import copy
-import json
 import os
 import re
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -87,10 +85,11 @@ def run_train(cfg: dict[str, Any]) -> None:
 
     from dllm_rl.engine import shutdown
 
+    allow_changes = cfg.pop("allow_changes", False)
     config = copy.deepcopy(cfg)
     task = build_task(**cfg.pop("task"))
-    try:
-        train(task, saved_config=config, **cfg)  # the options are checked by TrainConfig
+    try:  # the options are checked by TrainConfig, a resume's changes by dllm_rl.resume
+        train(task, saved_config=config, allow_changes=allow_changes, **cfg)
     except BaseException:
         shutdown(clean=False)
         raise
@@ -168,57 +167,34 @@ def compose_config(config_name: str, overrides: list[str]) -> DictConfig:
             raise ConfigError(message.replace("\n\n", "\n").replace("\t", "  ")) from None
 
 
-# What a resumed run may change freely: how long it runs and what it logs. Any other change (the model, the
-# reference, the group size, the window, a ZeRO stage, a source, a seed) would not continue the checkpoint's run.
-RESUME_SAFE_KEYS = ("steps", "eval_every", "eval_prompts", "eval_samples", "checkpoint_every", "keep_checkpoints",
-                    "sample_every", "tensorboard", "max_bad_steps", "deepspeed.timeout_s")
+def resumed_config(run_dir: str, overrides: list[str]) -> tuple[DictConfig, bool]:
+    """(the config a run was started with, its config.json, with key=value overrides of existing keys; whether
+    `allow_changes=true` was given). Which changes a resume may make is `dllm_rl.resume`'s decision, taken
+    in `train` for the CLI and for Python alike."""
+    from dllm_rl.resume import read_run_config
 
-
-def resumed_config(run_dir: str, overrides: list[str]) -> DictConfig:
-    """The config a run was started with (its config.json), with key=value overrides of the keys in
-    RESUME_SAFE_KEYS. Other changes are refused by name unless `allow_changes=true` is given; they are then
-    applied and recorded in the run's changes.jsonl."""
-    run = Path(run_dir)
-    if (run / "COMPLETE").is_file() or (run / "deepspeed").is_dir():
-        raise ConfigError(f"resume={run_dir!r} is a checkpoint; resume takes its run directory, resume={run.parents[1]} "
-                          f"(it continues from the newest intact checkpoint)")
-    saved = run / "config.json"
-    if not saved.is_file():
+    saved = read_run_config(run_dir)
+    if saved is None or "task" not in saved:
         raise ConfigError(f"resume={run_dir!r}: no config.json there (expected a run directory made by dllm-rl train)")
     try:
-        cfg = OmegaConf.create(json.loads(saved.read_text()))
-    except (json.JSONDecodeError, UnicodeDecodeError, OmegaConfBaseException) as error:
-        raise ConfigError(f"resume={run_dir!r}: {saved} is not a run config ({error})") from None
-    if not isinstance(cfg, DictConfig) or "task" not in cfg or "steps" not in cfg:
-        raise ConfigError(f"resume={run_dir!r}: {saved} is not a config written by dllm-rl train")
+        cfg = OmegaConf.create(saved)
+    except OmegaConfBaseException as error:
+        raise ConfigError(f"resume={run_dir!r}: its config.json is not a run config ({error})") from None
     OmegaConf.set_struct(cfg, True)
     allow = [o for o in overrides if o.partition("=")[0] == "allow_changes"]
     allowed = bool(allow) and yaml_value(allow[-1].partition("=")[2]) is True
-    changes = {}
     for override in [o for o in overrides if o not in allow]:
         key, sep, value = override.partition("=")
         if not sep or key.startswith(("+", "~")) or isinstance(OmegaConf.select(cfg, key, default=None), DictConfig):
             raise ConfigError(f"when resuming, only key=value overrides of existing keys are allowed, got {override!r}"
                               f" (a config group cannot change in a run)")
-        old = OmegaConf.select(cfg, key, default=None)
         try:
             OmegaConf.update(cfg, key, yaml_value(value), merge=True)
         except OmegaConfBaseException:
             keys = _all_keys(cfg)
             raise ConfigError(f"unknown config key {key!r}{did_you_mean(key, keys)}") from None
-        new = OmegaConf.select(cfg, key)
-        if key not in RESUME_SAFE_KEYS and new != old:
-            changes[key] = [old, new]
-    if changes and not allowed:
-        key, (old, new) = next(iter(changes.items()))
-        raise ConfigError(f"resume: {key} was {old!r} in this run; {new!r} would change the run rather than continue "
-                          f"it. Add allow_changes=true to change {sorted(changes)} anyway (recorded in "
-                          f"{run / 'changes.jsonl'})")
-    if changes:
-        with open(run / "changes.jsonl", "a") as f:
-            f.write(json.dumps({"time": time.strftime("%Y-%m-%d %H:%M:%S"), "changes": changes}, default=str) + "\n")
     cfg.resume = run_dir
-    return cfg
+    return cfg, allowed
 
 
 def yaml_value(text: str) -> Any:
@@ -268,14 +244,15 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         overrides = [a for a in args[1:] if not a.startswith("--")]
         resume = [o.split("=", 1)[1] for o in overrides if o.startswith("resume=")]
-        if resume and resume[-1] not in ("", "null"):
-            cfg = resumed_config(resume[-1], [o for o in overrides if not o.startswith("resume=")])
+        allowed = False
+        if resume and resume[-1] not in ("", "null") and args[0] == "train":
+            cfg, allowed = resumed_config(resume[-1], [o for o in overrides if not o.startswith("resume=")])
         else:
             cfg = compose_config(config_name, overrides)
         if "--cfg" in flags:
             print(OmegaConf.to_yaml(cfg, resolve=True), end="")
             return 0
-        runner(to_plain(cfg))
+        runner(to_plain(cfg) | ({"allow_changes": True} if allowed else {}))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

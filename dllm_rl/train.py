@@ -21,15 +21,15 @@ How it departs from d1:
   row), so a resumed run repeats the uninterrupted one exactly and N ranks repeat one process;
 - with one inner iteration and one minibatch, the old log-probs are the current ones detached (the ratio is
   exactly 1; this saves one scoring pass), as in d1's own implementation;
-- a step whose groups all have zero reward variance (no learning signal) skips the update instead of
-  letting weight decay move the weights.
+- a step without a learning signal (every group's rewards equal, or every row with a non-zero advantage given
+  loss weight 0 by the sampler correction) skips the update instead of letting AdamW's moments and weight decay
+  move the weights (`policy/no_signal`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import signal
 import sys
 import threading
@@ -57,6 +57,7 @@ from dllm_rl.policy.adapters import hidden_size_of, kind_of, load_policy
 from dllm_rl.policy.lora import AdapterOff, add_adapters, enable_gradient_checkpointing, trainable_parameters
 from dllm_rl.precision import resolve_bf16
 from dllm_rl.seeds import derive_seed
+from dllm_rl.resume import decide_resume, read_run_config, record_resume, write_run_config
 from dllm_rl.rollout.generate import TextGenerator
 from dllm_rl.stages import (ExternalRollouts, HeldOut, InProcessRollouts, Learner, PromptSource,
                             SamplerCorrectionStage, StepBatch, assign_advantages, inference, sample_rows, score_old_and_reference, step_metrics, verify)
@@ -175,8 +176,19 @@ class Run:
     print_fn: Callable[[str], None]
 
 
-def setup(task: Task, cfg: TrainConfig, print_fn, saved_config: dict | None) -> Run:
+def run_record(cfg: TrainConfig, task: Task, saved: dict | None) -> dict[str, Any]:
+    """The config.json of a run started from Python (no Hydra config): every option, and the task by name (the
+    run's own task record where the name is the same)."""
+    saved_task = (saved or {}).get("task")
+    same = isinstance(saved_task, dict) and saved_task.get("name") == task.name
+    return {**dataclasses.asdict(cfg), "task": saved_task if same else {"name": task.name}}
+
+
+def setup(task: Task, cfg: TrainConfig, print_fn, saved_config: dict | None, allow_changes: bool = False) -> Run:
     """Check the config, join the process group, load the models and build the stages (or restore them)."""
+    if saved_config is None:
+        saved_config = run_record(cfg, task, read_run_config(cfg.resume) if cfg.resume else None)
+    resumed = decide_resume(cfg.resume, saved_config, allow_changes) if cfg.resume else None
     advantage, loss_options = split_algo(cfg.algo)
     estimator = build_estimator(cfg.likelihood)
     device = default_device()  # this rank's GPU (LOCAL_RANK) where there is one: every stage's tensors go there
@@ -211,8 +223,11 @@ def setup(task: Task, cfg: TrainConfig, print_fn, saved_config: dict | None) -> 
         print_fn(f"resumed from {checkpoint} at step {state['step']}")
     resumed_at = state["step"] if checkpoint is not None else (-1 if restart else None)  # logs are cut back to it
     tracker = Tracker(run_dir, cfg.tensorboard, resume_step=resumed_at) if world.is_main else NullTracker()
-    if checkpoint is None and saved_config is not None and world.is_main:
-        (run_dir / "config.json").write_text(json.dumps(saved_config, indent=2) + "\n")
+    if world.is_main:  # the run's effective config: a change made at a resume lasts for the next one
+        if resumed is None or checkpoint is None:
+            write_run_config(run_dir, saved_config)
+        else:
+            record_resume(run_dir, saved_config, resumed)
     if mixer is not None:
         mixer.baseline = state["external_baseline"]
     return build_stages(task, cfg, dp, run_dir, tracker, learned, state, estimator, mixer, advantage, loss_options,
@@ -260,14 +275,16 @@ def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned,
         mixer=mixer, print_fn=print_fn)
 
 
-def train(task: Task, *, saved_config: dict[str, Any] | None = None, print_fn=tqdm.write, **options) -> dict[str, float]:
+def train(task: Task, *, saved_config: dict[str, Any] | None = None, allow_changes: bool = False,
+          print_fn=tqdm.write, **options) -> dict[str, float]:
     """Run GRPO (with ERILS external rollouts unless `external.name` is none) on `task`, on every rank of the
     process group (one process without a launcher). `options` are TrainConfig's fields (configs/train.yaml's
-    keys); `saved_config`, the whole resolved config, is written to the run's config.json. Returns the last
-    step's metrics, averaged over ranks."""
+    keys); `saved_config`, the whole resolved config, is written to the run's config.json (without it, the
+    options and the task's name). With `resume`, a change that would alter the run is refused unless
+    `allow_changes` (dllm_rl/resume.py). Returns the last step's metrics, averaged over ranks."""
     cfg = TrainConfig.from_options(options)
     with stop_together():  # a rank that fails tells the others which it was and why
-        run = setup(task, cfg, print_fn, saved_config)
+        run = setup(task, cfg, print_fn, saved_config, allow_changes)
         metrics = run_steps(run)
     run.tracker.close()
     if run.dp.world.is_main:
