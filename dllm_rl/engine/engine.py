@@ -8,10 +8,11 @@ reference copy.
 
 ZeRO-3 specifics:
 - parameters live partitioned (shape (0,) outside a gather). Scoring and training forwards go through
-  DeepSpeed's hooks, which gather layer by layer. A denoising rollout runs S forwards, so the trainer wraps
-  the whole rollout in `gathered()`: one all-gather per rollout instead of one per layer per step. Every
-  rank must call it, and the denoising sampler always runs its fixed number of steps, so ranks make the
-  same calls whatever their prompts;
+  DeepSpeed's hooks, which gather layer by layer, collectively: every rank must make the same number of them
+  (`dllm_rl.lockstep`). A denoising rollout runs S forwards, so the trainer wraps the whole rollout in
+  `gathered()`: one all-gather per rollout instead of one per layer per step, and DeepSpeed's hooks lifted
+  for the duration, so the forwards inside make no collective and a rank may make as many as its own
+  rollouts need. Every rank must enter and leave it together;
 - the reference model is its own inference-only engine, partitioned the same way (no full copy per rank);
   `sync_reference` copies the policy into it one gathered parameter at a time.
 """
@@ -57,9 +58,25 @@ class Engine:
 
     # ------------------------------------------------------------------------------------ generation
 
+    @contextlib.contextmanager
     def gathered(self):
-        """Full parameters on every rank for the duration (ZeRO-3); a no-op at the other stages."""
-        return gather_parameters(self.module, self.stage)
+        """Full parameters on every rank for the duration, for decoding: at ZeRO-3 the forwards inside make no
+        collective at all (so ranks may make different numbers of them, as confidence-parallel decoding does);
+        a no-op at the other stages."""
+        if self.stage != 3:
+            yield
+            return
+        self.settle()
+        with gather_parameters(self.module, 3), zero3_hooks_removed(self.ds):
+            yield
+
+    def settle(self) -> None:
+        """ZeRO-3: wait for the parameter prefetches still in flight and partition every parameter again. DeepSpeed
+        prefetches along the trace of the last forward; a backward that ends before using what it prefetched leaves
+        those parameters in flight, and a gather entered then fails on leaving ("Cannot partition a param in
+        flight"). A no-op at the other stages."""
+        if self.stage == 3:
+            self.ds.empty_partition_cache()
 
     # ------------------------------------------------------------------------------------ update
 
@@ -149,12 +166,34 @@ class Engine:
         """A Hugging Face model directory of the full weights of the policy (or of `module`, e.g. the reference),
         written by rank 0; every rank calls it. A LoRA policy writes its adapter only (peft's format)."""
         module = self.module if module is None else getattr(module, "module", module)
+        if module is self.module:
+            self.settle()
         with gather_parameters(module, self.stage):
             if self.world.is_main:
                 module.save_pretrained(directory)
                 if tokenizer is not None:
                     tokenizer.save_pretrained(directory)
         barrier(self.world)
+
+
+@contextlib.contextmanager
+def zero3_hooks_removed(ds_engine):
+    """A ZeRO-3 engine's module without DeepSpeed's forward hooks for the duration (its parameters gathered by
+    the caller). Those hooks fetch and release parameters per submodule and, at the start of each forward, may
+    check the module trace against the other ranks (a collective); with the parameters whole they only cost
+    time and tie every rank to the same number of forwards. DeepSpeed's own `unwrap_model_for_generation`
+    removes the submodule hooks the same way; this also lifts the start-of-forward hook, and restores all of
+    them even when decoding fails."""
+    offload = getattr(ds_engine.optimizer, "parameter_offload", ds_engine.optimizer)
+    root = offload.module
+    start_of_forward = root._forward_pre_hooks[offload.fwd_pre_hook.id]
+    offload._remove_module_hooks()
+    try:
+        yield
+    finally:
+        offload.forward_hooks, offload.backward_hooks = [], []
+        offload.fwd_pre_hook = root.register_forward_pre_hook(start_of_forward)
+        offload._register_deepspeed_module(root)  # re-registered hooks start a fresh trace
 
 
 def deepspeed_state_classes() -> list[type]:
