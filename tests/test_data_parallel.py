@@ -69,7 +69,14 @@ def test_a_rank_without_rows_of_a_source_others_have_scores_a_stand_in(monkeypat
 
 
 def test_one_process_needs_no_collective(make_rows, monkeypatch):
-    monkeypatch.setattr(data_parallel, "all_gather_objects", lambda obj, world: [obj])
+    import torch.distributed as dist
+
+    def collective(*args, **kwargs):
+        raise AssertionError("a collective was called in a world of one process")
+
+    for name in ("all_gather_object", "all_reduce", "all_gather", "broadcast_object_list", "broadcast", "barrier",
+                 "reduce_scatter"):
+        monkeypatch.setattr(dist, name, collective)
     dp = DataParallel(World(), prompts_per_step=2, group_size=2, minibatch_size=2)
     rows = {"on_policy": make_rows("on_policy", 4, prompts=2)}
     dp.shard_sources(rows, ESTIMATORS)

@@ -32,7 +32,8 @@ def unplaced_calls(source: str, filename: str = "<snippet>") -> list[str]:
                 and isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"
                 and node.func.attr in FACTORIES):
             continue
-        if any(k.arg == "device" for k in node.keywords):
+        if any(k.arg == "device" and not (isinstance(k.value, ast.Constant) and k.value.value is None)
+               for k in node.keywords):  # device=None is the default device: not a placement
             continue
         nearby = lines[node.lineno - 1: node.end_lineno]
         above = lines[node.lineno - 2].strip() if node.lineno >= 2 else ""
@@ -62,8 +63,10 @@ def test_the_checker_catches_an_unplaced_tensor_and_accepts_the_two_ways_out():
         "e = torch.randperm(4)  # cpu:\n"               # a mark without a reason does not count
         "f = torch.zeros_like(b)\n"                     # inherits b's device
         "g = torch.Generator()\n"                       # flagged
+        "h = torch.ones(2, device=None)\n"              # flagged: None is the default device
     )
-    assert [hit.split()[0] for hit in unplaced_calls(snippet)] == ["<snippet>:2", "<snippet>:7", "<snippet>:9"]
+    assert [hit.split()[0] for hit in unplaced_calls(snippet)] == ["<snippet>:2", "<snippet>:7", "<snippet>:9",
+                                                                  "<snippet>:10"]
 
 
 def test_every_cpu_mark_says_why():

@@ -12,20 +12,24 @@ from pathlib import Path
 
 import torch
 
-from dllm_rl.data import build_task
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: tests.conftest
+from tests.conftest import DigitShare  # noqa: E402
+
 from dllm_rl.engine import Engine, all_sum, deepspeed_config, init_distributed, partitioned_loading, shutdown
 from dllm_rl.policy.adapters import load_policy
 from dllm_rl.rollout.generate import TextGenerator
 
-# ERILS with the solver on arithmetic: an untrained model earns no reward, the solver's rows carry the
-# signal; trigger=schedule fires for a random share of the prompts after step 0, so ranks get unequal external
-# rows; beta > 0 keeps a reference model (partitioned at stage 3), synced at step 2 and saved with it.
+# ERILS with the solver on arithmetic prompts with a dense reward (tests/conftest.py's DigitShare: the share of
+# digits, which an untrained model earns in varying amounts), so the on-policy rows carry a loss of their own
+# besides the solver's rows (all kept: the solver's texts are not "correct" under this reward); trigger=schedule fires for a random share of the prompts after step 0, so ranks
+# get unequal external rows; beta > 0 keeps a reference model (partitioned at stage 3), synced at step 2 and
+# saved with it.
 SETTINGS = dict(
     rollout={"gen_length": 32, "block_length": 16, "steps": 16, "temperature": 1.0},
     likelihood={"name": "mean_field"},
     algo={"advantage": "mean", "beta": 0.04},
     external={"name": "solver"},
-    mixing={"per_prompt": 1, "trigger": "schedule", "decay_steps": 3, "keep": "correct", "likelihood": None},
+    mixing={"per_prompt": 1, "trigger": "schedule", "decay_steps": 3, "keep": "all", "likelihood": None},
     prompts_per_step=4, group_size=2, minibatch_size=4, eval_every=0, sample_every=0, tensorboard=False,
     lr=1e-3, lr_schedule="constant", warmup=0, bf16=False, ref_sync_every=2, checkpoint_every=2,
     print_fn=lambda *_: None,
@@ -41,7 +45,7 @@ def run_train(out: Path, model: str, stage: int, steps: int = 2, resume: bool = 
 
     run = out / f"{'lora_' if lora else ''}zero{stage}"
     settings = {**SETTINGS, "ref_sync_every": 0, "lora": LORA} if lora else SETTINGS
-    train(build_task("arithmetic"), model=model, deepspeed={"stage": stage}, steps=steps,
+    train(DigitShare(), model=model, deepspeed={"stage": stage}, steps=steps,
           **({"resume": str(run)} if resume else {"run_dir": str(run)}), **settings)
 
 

@@ -81,20 +81,24 @@ def test_every_stage_agrees_with_the_single_process_run(runs):
         for key in ("loss/policy", "loss/kl", "policy/grad_norm", "reward/on_policy", "len/on_policy"):
             assert [m[key] for m in run] == pytest.approx([m[key] for m in base], rel=1e-5, abs=1e-7), (stage, key)
         got = weights(two / f"zero{stage}", 2)
-        for k, v in base_weights.items():  # fp32, lr 1e-3: a wrong gradient would be off by ~1e-3
-            torch.testing.assert_close(got[k], v, rtol=0, atol=2e-6, msg=f"stage {stage}: {k}")
+        # fp32, lr 1e-3. AdamW's first update is lr * g / (|g| + eps): an element whose gradient is near eps moves
+        # by up to lr when ranks sum the gradient in another order, so a handful of elements (4 of 33k at stages
+        # 0-2, 19 at stage 3, by at most 2e-5) differ from one process; a wrong gradient moves thousands by ~lr.
+        off = sum(int(((got[k] - v).abs() > 2e-6).sum()) for k, v in base_weights.items())
+        worst = max(float((got[k] - v).abs().max()) for k, v in base_weights.items())
+        assert off <= 40 and worst < 1e-4, (stage, off, worst)
     moved = weights(two / "zero3", 2)
     start = load_file(str(root / "model" / "model.safetensors"))
     assert any(not torch.equal(start[k], moved[k]) for k in start)
 
 
-# Golden numbers of the two-rank ZeRO-2 run (dist_worker.SETTINGS, fp32), written down before the step was
-# split into stages: per step (loss/policy, loss/kl, reward/on_policy, reward/external), then the checksum of
-# the weights after step 2 as tests/test_golden.py computes it. An untrained model earns no on-policy reward
-# on arithmetic; the solver's rows (reward 1) carry the signal.
-ZERO2_GOLDEN = ([(-0.25526617497099263, 0.0026527736951017155, 0.0, 1.0),
-                 (-0.2982877045869827, 0.02205821592360735, 0.0, 1.0)],
-                (161.17102874720968, -25.71511185217696))
+# Golden numbers of the two-rank ZeRO-2 run (dist_worker.SETTINGS, fp32): per step (loss/policy, loss/kl,
+# reward/on_policy, reward/external), then the checksum of the weights after step 2 as tests/test_golden.py
+# computes it. The dense reward gives the on-policy rows a loss of their own beside the solver's rows (re-pinned
+# when the run moved from arithmetic's exact reward, which an untrained model never earns, to that one).
+ZERO2_GOLDEN = ([(-0.021055407109088264, 0.002629889582749456, 0.08544393628835678, 0.08928571455180645),
+                 (-0.0713212750852108, 0.01196317607536912, 0.12397204339504242, 0.17023809999227524)],
+                (162.98800421812211, -25.760564579873062))
 
 
 def test_two_ranks_at_zero2_give_the_golden_numbers(runs, checksum):
