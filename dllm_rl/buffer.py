@@ -23,6 +23,7 @@ from dllm_rl.likelihood.estimators import Estimator
 
 if TYPE_CHECKING:
     from dllm_rl.data_parallel import Shard
+    from dllm_rl.lockstep import Lockstep
 
 MINIBATCH_MIXES = ("stratified", "mixed")
 
@@ -64,15 +65,17 @@ class Rows:
     def lengths_N(self) -> torch.Tensor:
         return self.mask_NC.sum(-1)
 
-    def score(self, policy, rows: torch.Tensor, iteration: int):
-        """(logp, level_mask) of `rows` under `policy`, with the stored mask seeds of `iteration`."""
+    def score(self, policy, rows: torch.Tensor, iteration: int, lockstep: Lockstep | None = None):
+        """(logp, level_mask) of `rows` under `policy`, with the stored mask seeds of `iteration`; with a
+        `lockstep` (ZeRO-3 on several ranks), in as many forwards as every other rank makes."""
         seeds = [self.mask_seeds[iteration][r] for r in rows.tolist()]
         order = None if self.order_NC is None else self.order_NC[rows]
-        return self.estimator.score(policy, self.ids_NL[rows], self.attention_mask_NL[rows], self.prompt_length,
-                                    seeds, order, self.mask_NC[rows])
+        args = (policy, self.ids_NL[rows], self.attention_mask_NL[rows], self.prompt_length, seeds, order,
+                self.mask_NC[rows])
+        return self.estimator.score(*args) if lockstep is None else lockstep.score(self.estimator, *args)
 
-    def score_all(self, policy, iteration: int) -> torch.Tensor:
-        return self.score(policy, torch.arange(len(self), device=self.ids_NL.device), iteration)[0]
+    def score_all(self, policy, iteration: int, lockstep: Lockstep | None = None) -> torch.Tensor:
+        return self.score(policy, torch.arange(len(self), device=self.ids_NL.device), iteration, lockstep)[0]
 
 
 def minibatch_plan(sizes: list[int], num_minibatches: int, mix: str, generator: torch.Generator) -> list[list[torch.Tensor]]:
@@ -103,11 +106,12 @@ def _pad_to(t: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def loss_inputs(parts: list[Rows], picks: list[torch.Tensor], policy, iteration: int, reuse_current: bool,
-                pad_empty: bool = False) -> dict[str, torch.Tensor | None]:
+                pad_empty: bool = False, lockstep: Lockstep | None = None) -> dict[str, torch.Tensor | None]:
     """The arguments of `grpo_loss` for one minibatch: each part scored on its picked rows, padded to one width.
     With `pad_empty` (several ranks) a part with no rows in this minibatch is scored on its row 0 with mask and
-    weight 0, so every rank runs one forward per part (ZeRO-3's forwards are collective) and a rank never has
-    an empty minibatch; such a row adds nothing to the loss or to its normaliser (`aggregation_units`)."""
+    weight 0, so every rank scores every part (ZeRO-3's forwards are collective; `lockstep` evens out how many
+    each score makes) and a rank never has an empty minibatch; such a row adds nothing to the loss or to its
+    normaliser (`aggregation_units`)."""
     pieces = []
     for part, rows in zip(parts, picks):
         device = part.adv_N.device
@@ -115,7 +119,7 @@ def loss_inputs(parts: list[Rows], picks: list[torch.Tensor], policy, iteration:
         if inert and not pad_empty:
             continue
         rows = torch.zeros(1, dtype=torch.long, device=device) if inert else rows.to(device)
-        logp, level_mask = part.score(policy, rows, iteration)
+        logp, level_mask = part.score(policy, rows, iteration, lockstep)
         if inert:
             level_mask = torch.zeros_like(level_mask)
         old = logp.detach() if reuse_current else part.old_logp[iteration][rows]

@@ -9,7 +9,8 @@ loop calls it without naming a rank:
   one gather of the counts; estimator mask seeds and minibatch membership are functions of the global index;
 - stand-in rows (`stand_in`): under ZeRO-3 every forward gathers parameters collectively, so a rank with no
   rows of a source that other ranks have scores one row that counts for nothing, and all ranks make the same
-  calls; `pads` tells `buffer.loss_inputs` to do the same for a source missing from one rank's minibatch;
+  calls; `pads` tells `buffer.loss_inputs` to do the same for a source missing from one rank's minibatch; and
+  `lockstep` (dllm_rl/lockstep.py) makes every such call the same number of forwards on every rank;
 - the minibatch plan (`minibatch_plan`): the single-process plan over all ranks' rows, cut to this rank's;
 - the loss normaliser (`total`): `algo.losses.aggregate` divides a rank's loss by the units of every rank, so
   DeepSpeed's gradient average is the gradient of the loss over all rows;
@@ -30,6 +31,7 @@ from dllm_rl.buffer import Rows, minibatch_plan, num_minibatches
 from dllm_rl.engine import World, all_gather_objects, all_sum, any_rank, gather_tensor, mean_metrics
 from dllm_rl.errors import require
 from dllm_rl.likelihood.estimators import Estimator
+from dllm_rl.lockstep import Lockstep
 
 
 @dataclass(frozen=True)
@@ -61,10 +63,11 @@ def rank_plan(global_sizes: Sequence[int], starts: Sequence[int], local_sizes: S
 class DataParallel:
     """This rank's part of each step, for a world of `world.size` ranks (1 without a launcher)."""
 
-    def __init__(self, world: World, prompts_per_step: int, group_size: int, minibatch_size: int):
+    def __init__(self, world: World, prompts_per_step: int, group_size: int, minibatch_size: int, zero_stage: int = 0):
         require(prompts_per_step % world.size == 0, f"prompts_per_step={prompts_per_step} must be divisible by the "
                 f"number of ranks ({world.size}): each rank takes whole prompt groups")
         self.world, self.group_size = world, group_size
+        self.lockstep = Lockstep(world, enabled=zero_stage == 3)  # equal forward counts (dllm_rl/lockstep.py)
         self.prompts = prompts_per_step // world.size  # B, this rank's prompts per step
         self.num_minibatches = num_minibatches(prompts_per_step * group_size, minibatch_size)
         rows = self.prompts * group_size

@@ -211,10 +211,13 @@ def score_old_and_reference(batch: StepBatch, policy, reference, iterations: int
         rows.mask_seeds = [[0] * len(rows) if rows.inert else
                            [derive_seed(seed, "mask", batch.step, it, *tag, start + n) for n in range(len(rows))]
                            for it in range(iterations)]
+    lockstep = dp.lockstep if dp is not None else None
     with torch.no_grad(), autocast:
         for rows in batch.rows.values():
-            rows.old_logp = [None if reuse_current else rows.score_all(policy, it) for it in range(iterations)]
-            rows.ref_logp = [None if reference is None else rows.score_all(reference, it) for it in range(iterations)]
+            rows.old_logp = [None if reuse_current else rows.score_all(policy, it, lockstep)
+                             for it in range(iterations)]
+            rows.ref_logp = [None if reference is None else rows.score_all(reference, it, lockstep)
+                             for it in range(iterations)]
     if mixer is not None and mixer.config.correction == "is":
         batch.metrics.update(mixer.importance_weights(batch.real("external"), dp.gather if dp else local_only))
 
@@ -282,7 +285,8 @@ class Learner:
             shuffle = torch.Generator(device="cpu").manual_seed(derive_seed(self.seed, "minibatch", batch.step, it))
             for picks in self.dp.minibatch_plan(parts, self.minibatch_mix, shuffle):
                 with self.autocast:
-                    inputs = loss_inputs(parts, picks, self.policy, it, self.reuse_current, pad_empty=self.dp.pads)
+                    inputs = loss_inputs(parts, picks, self.policy, it, self.reuse_current, pad_empty=self.dp.pads,
+                                         lockstep=self.dp.lockstep)
                 units = self.dp.total(aggregation_units(inputs["mask_NC"], aggregation, inputs["weights_N"]))
                 loss, metrics = grpo_loss(**inputs, **self.loss_options, global_units=units, ranks=self.dp.size)
                 update = self.engine.update(loss)

@@ -53,7 +53,7 @@ from dllm_rl.errors import ConfigError, Interrupted, require
 from dllm_rl.external.mixer import build_mixer
 from dllm_rl.likelihood.estimators import build_estimator
 from dllm_rl.optim import lr_factor
-from dllm_rl.policy.adapters import hidden_size_of, kind_of, load_policy
+from dllm_rl.policy.adapters import hidden_size_of, load_policy
 from dllm_rl.policy.lora import AdapterOff, add_adapters, enable_gradient_checkpointing, trainable_parameters
 from dllm_rl.precision import resolve_bf16
 from dllm_rl.seeds import derive_seed
@@ -197,26 +197,18 @@ def setup(task: Task, cfg: TrainConfig, print_fn, saved_config: dict | None, all
     if mixer is not None:
         loss_options["shaping_gamma"] = mixer.config.shaping_gamma
     ds_options, timeout_s = engine_options(cfg.deepspeed)
-    require(not (ds_options.get("stage") == 3 and Path(cfg.model).is_dir() and kind_of(cfg.model) == "llada"),
-            f"deepspeed.stage=3 with a LLaDA model ({cfg.model}): its code ignores the attention mask, so padded "
-            f"batches run one prompt length at a time and ranks would make different numbers of forwards, which "
-            f"ZeRO-3's collectives cannot; use deepspeed=zero2 (the recipes' setting)")
     splits = describe_splits(task, needed=("train", "test") if cfg.eval_every > 0 else ("train",))
     world = init_distributed(timeout_s)  # rank 0 of 1 without a launcher
     print_fn = print_fn if world.is_main else (lambda *_: None)
     if splits:
         print_fn(splits)
-    dp = DataParallel(world, cfg.prompts_per_step, cfg.group_size, cfg.minibatch_size)
+    dp = DataParallel(world, cfg.prompts_per_step, cfg.group_size, cfg.minibatch_size, ds_options.get("stage", 0))
     run_dir, checkpoint = starting_point(cfg, task, world)
     restart = cfg.resume is not None and checkpoint is None  # stopped before its first checkpoint
     if restart:
         print_fn(f"resume: {run_dir} has no checkpoint yet (it stopped before its first); starting it again")
     learned = load_learner(cfg, world, ds_options, checkpoint, with_reference=loss_options.get("beta", 0.0) > 0,
                            device=device)
-    require(not (dp.pads and learned.engine.stage == 3 and mixer is not None and mixer.config.length_rule == "none"),
-            f"mixing.length_rule=none with deepspeed stage 3 on {world.size} ranks: a rank without external rows "
-            f"scores a stand-in of the dLLM's window while the others score wider rows, so their forwards (and "
-            f"ZeRO-3's collectives) would differ; use mixing.length_rule=drop, truncate or shortest")
     state = {"step": 0, "data_position": 0, "bad_steps": 0, "external_baseline": 0.0}
     if checkpoint is not None:
         state = {**state, **load_trainer_state(checkpoint, learned.engine, learned.scheduler)}

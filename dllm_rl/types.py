@@ -17,8 +17,9 @@ class Samples:
     """What a sampler returns for a batch of prompts.
 
     `sequences_BL` = left-padded prompt (P) + completion window (C); `attention_mask_BL` is 0 on the prompt's
-    left padding. For a denoising sampler, `unmask_step_BC` is the (0-based, global) step at which each
-    completion token was unmasked and `confidence_BC` the model's probability of the token it chose then;
+    left padding. For a denoising sampler, `unmask_step_BC` is the (0-based) step of its row at which each
+    completion token was unmasked (a row's steps: those at which it still had masks in the block being decoded)
+    and `confidence_BC` the model's probability of the token it chose then;
     for an autoregressive sampler the step is the token's position and the confidence its probability.
     """
 

@@ -146,6 +146,15 @@ def all_sum(values: list[float], world: World) -> list[float]:
     return t.tolist()
 
 
+def all_max(values: list[float], world: World) -> list[float]:
+    """Elementwise maximum over ranks (float64)."""
+    if world.size == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
 def any_rank(flag: bool, world: World) -> bool:
     return all_sum([float(flag)], world)[0] > 0
 

@@ -136,17 +136,20 @@ def ordered(policy, ids_NL, attention_mask_NL, prompt_length: int, *, order_NC: 
     require(ids_NL.shape[1] - P == C, f"order_NC has {C} columns but the completion window has {ids_NL.shape[1] - P}")
     require(bool((order_NC >= 0).all()), "order_NC has negative steps: every completion token needs an unmask step")
     logp_NC = torch.zeros((N, C), dtype=torch.float32, device=ids_NL.device)
-    num_groups = math.ceil((int(order_NC.max()) + 1) / group)
-    for j in range(num_groups):
-        lo, hi = j * group, (j + 1) * group
+    for lo, hi in ordered_groups(order_NC, group):
         scored_NC = (order_NC >= lo) & (order_NC < hi)
-        if not scored_NC.any():
-            continue
         noisy_NL = ids_NL.clone()
         noisy_NL[:, P:] = ids_NL[:, P:].masked_fill(order_NC >= lo, policy.mask_id)
         step_logp_NC = _token_logp(policy, noisy_NL, attention_mask_NL, ids_NL[:, P:], P)
         logp_NC = torch.where(scored_NC, step_logp_NC, logp_NC)
     return logp_NC
+
+
+def ordered_groups(order_NC: torch.Tensor, group: int) -> list[tuple[int, int]]:
+    """The [lo, hi) step ranges `ordered` scores, one forward each: every `group` consecutive steps that hold a
+    token of some row."""
+    steps = torch.unique(order_NC).tolist()
+    return [(j * group, (j + 1) * group) for j in sorted({s // group for s in steps if s >= 0})]
 
 
 def left_to_right(policy, ids_NL, attention_mask_NL, prompt_length: int, *, seeds_N=None, order_NC=None,
@@ -163,6 +166,17 @@ ESTIMATORS: dict[str, tuple[Callable[..., torch.Tensor], str, bool]] = {
     "coupled": (coupled, "sequence", False),
     "ordered": (ordered, "token", True),
     "left_to_right": (left_to_right, "token", False),
+}
+
+
+# name -> how many `policy.logits` calls it makes on N rows of C completion tokens (each call makes
+# `policy.forwards(attention_mask)` network forwards): what ZeRO-3 needs to know ahead (dllm_rl/lockstep.py)
+LOGITS_CALLS: dict[str, Callable[..., int]] = {
+    "mean_field": lambda order_NC, C, options: 1,
+    "elbo": lambda order_NC, C, options: 1,
+    "coupled": lambda order_NC, C, options: 1,
+    "ordered": lambda order_NC, C, options: len(ordered_groups(order_NC, options.get("group", 1))),
+    "left_to_right": lambda order_NC, C, options: math.ceil(C / options.get("group", 1)),
 }
 
 
@@ -195,6 +209,11 @@ class Estimator:
         """logp_NC, one value per completion token (see the module docstring)."""
         return self.fn(policy, ids_NL, attention_mask_NL, prompt_length, seeds_N=seeds_N, order_NC=order_NC,
                        **self.options)
+
+    def forwards(self, policy, attention_mask_NL, prompt_length: int, order_NC=None) -> int:
+        """How many network forwards `logp` makes on these rows (declared ahead, for ZeRO-3's lockstep)."""
+        C = attention_mask_NL.shape[1] - prompt_length
+        return LOGITS_CALLS[self.name](order_NC, C, self.options) * policy.forwards(attention_mask_NL)
 
     def score(self, policy, ids_NL, attention_mask_NL, prompt_length: int, seeds_N, order_NC,
               mask_NC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -58,24 +58,29 @@ def llada_logits(model, ids_BL: torch.Tensor, attention_mask_BL: torch.Tensor | 
     return by_real_span(lambda ids: model(input_ids=ids).logits, ids_BL, attention_mask_BL)
 
 
-def by_real_span(forward: Callable[[torch.Tensor], torch.Tensor], ids_BL: torch.Tensor,
-                 attention_mask_BL: torch.Tensor) -> torch.Tensor:
-    """Logits of a model that ignores the attention mask, exactly: the rows are grouped by where their real
-    tokens lie, and each group runs on exactly those positions, so no forward sees padding and a row's logits
-    never depend on the rows batched with it. Padding positions get zero logits. A row's real tokens must be
-    contiguous (left or right padding)."""
+def real_spans(attention_mask_BL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
+    """(start_B, count_B, the distinct (start, count) spans of real tokens with count > 0, in order). A row's
+    real tokens must be contiguous (left or right padding)."""
     real_BL = attention_mask_BL.bool()
-    B, L = real_BL.shape
     count_B = real_BL.sum(-1)
     start_B = torch.where(count_B > 0, real_BL.int().argmax(-1), torch.zeros_like(count_B))
-    position_L = torch.arange(L, device=real_BL.device)
+    position_L = torch.arange(real_BL.shape[1], device=real_BL.device)
     span_BL = (position_L >= start_B[:, None]) & (position_L < (start_B + count_B)[:, None])
     require(bool((span_BL == real_BL).all()), "a row's real tokens are not contiguous in its attention mask; this "
             "model ignores the mask, so only left or right padding can be run exactly")
+    spans = sorted((s, c) for s, c in set(zip(start_B.tolist(), count_B.tolist())) if c > 0)
+    return start_B, count_B, spans
+
+
+def by_real_span(forward: Callable[[torch.Tensor], torch.Tensor], ids_BL: torch.Tensor,
+                 attention_mask_BL: torch.Tensor) -> torch.Tensor:
+    """Logits of a model that ignores the attention mask, exactly: the rows are grouped by where their real
+    tokens lie, and each group runs on exactly those positions (one forward per span), so no forward sees
+    padding and a row's logits never depend on the rows batched with it. Padding positions get zero logits."""
+    B, L = attention_mask_BL.shape
+    start_B, count_B, spans = real_spans(attention_mask_BL)
     out_BLV = None
-    for start, count in sorted(set(zip(start_B.tolist(), count_B.tolist()))):
-        if count == 0:
-            continue
+    for start, count in spans:
         rows = ((start_B == start) & (count_B == count)).nonzero().squeeze(-1)
         logits = forward(ids_BL[rows, start:start + count])
         if out_BLV is None:
@@ -145,6 +150,13 @@ class DiffusionPolicy:
         require(self.kind in CACHED_KINDS, f"rollout.cache: a {self.kind} model's code has no block cache; "
                 f"use rollout.cache=none (its rollouts can still decode in parallel with rollout.threshold)")
         return LOGITS_FNS[self.kind](self.model, ids_BL, attention_mask_BL, cache)
+
+    def forwards(self, attention_mask_BL: torch.Tensor | None) -> int:
+        """How many network forwards one `logits` call on rows with this attention mask makes: one, or for LLaDA
+        (whose code ignores the mask) one per span of real tokens. ZeRO-3 needs it ahead (dllm_rl/lockstep.py)."""
+        if self.kind != "llada" or attention_mask_BL is None or bool(attention_mask_BL.all()):
+            return 1
+        return max(len(real_spans(attention_mask_BL)[2]), 1)
 
     def parameters(self):
         return self.model.parameters()

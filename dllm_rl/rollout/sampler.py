@@ -11,12 +11,17 @@ the prompt-masked batch alongside: logits = uncond + (scale + 1) * (cond - uncon
 How it departs from the reference:
 - Gumbel-max is written as argmax(logits - T * log(-log u)), which picks the same token as LLaDA's
   exp(logits) / (-log u)^T without overflowing exp for large logits.
-- Randomness comes from one `torch.Generator` per row, so a row's sample does not depend on which other
-  rows share its batch (the batched sampler equals a per-row loop; evaluation does not depend on batch size).
+- Randomness comes from one `torch.Generator` per row, drawn from only at the row's own steps, so a row's
+  sample does not depend on which other rows share its batch (the batched sampler equals a per-row loop, with
+  parallel decoding too, where a row that finished its block waits for the others; evaluation does not depend
+  on batch size).
 - Prompts are left-padded with an attention mask (LLaDA's reference takes one unpadded prompt).
 - The mask token is excluded from the predictions (an untrained or RL-drifted model may otherwise
   "unmask" a position into the mask token).
-- It records, for each completion token, the global step at which it was unmasked and its probability.
+- It records, for each completion token, the step at which it was unmasked and its probability. A step counts
+  for a row when the row still had masked tokens in the block being decoded: with parallel decoding a row
+  that finished its block early waits for the others without counting, so its steps (what the `ordered`
+  estimator scores by) do not depend on the rows batched with it.
 
 Faster decoding (Fast-dLLM, arXiv 2505.22618), each off by default, so the default is the exact sampler:
 - `threshold` / `factor`: confidence-parallel commits (`parallel_commits`), as many steps per block as needed;
@@ -107,13 +112,23 @@ def guided_logits(policy: DiffusionPolicy, x_BL, attention_mask_BL, is_prompt_BL
     return uncond + (cfg_scale + 1) * (cond - uncond)
 
 
-def gumbel_argmax(logits_BCV: torch.Tensor, temperature: float, generators) -> torch.Tensor:
-    """Logits must already exclude the mask token (see `denoise`)."""
+def row_uniforms(generators, shape: tuple[int, ...], active_B: torch.Tensor, device) -> torch.Tensor:
+    """Float64 uniforms of `shape` per row, drawn from the row's generator only where the row is active (0.5
+    elsewhere): a row that waits for its batch draws nothing, so its later draws do not depend on its batch."""
+    rows = [torch.rand(shape, generator=g, dtype=torch.float64, device=g.device).to(device) if active else
+            torch.full(shape, 0.5, dtype=torch.float64, device=device) for g, active in zip(generators, active_B.tolist())]
+    return torch.stack(rows)
+
+
+def gumbel_argmax(logits_BCV: torch.Tensor, temperature: float, generators,
+                  active_B: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits must already exclude the mask token (see `denoise`); only `active_B` rows draw noise (all: None)."""
     logits64 = logits_BCV.double()
     if temperature == 0:
         return logits64.argmax(-1)
-    u = torch.stack([torch.rand(logits_BCV.shape[1:], generator=g, dtype=torch.float64, device=g.device)
-                     for g in generators]).to(logits64.device)
+    if active_B is None:
+        active_B = torch.ones(logits_BCV.shape[0], dtype=torch.bool, device=logits_BCV.device)
+    u = row_uniforms(generators, tuple(logits_BCV.shape[1:]), active_B, logits64.device)
     # Guard u == 0 (log(-log 0) = log(inf)): such a draw would be chosen with certainty anyway.
     gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
     return (logits64 + temperature * gumbel).argmax(-1)
@@ -143,9 +158,8 @@ def random_commit(eligible_BC: torch.Tensor, generators) -> torch.Tensor:
     """One eligible position per row, uniformly at random from the row's generator (single-step random
     initialisation: the first commit of a rollout is not the most confident one, which keeps parallel
     decoding exploring)."""
-    u_BC = torch.stack([torch.rand(eligible_BC.shape[1], generator=g, dtype=torch.float64, device=g.device)
-                        for g in generators])
-    pick_B = u_BC.to(eligible_BC.device).masked_fill(~eligible_BC, -1.0).argmax(-1)
+    u_BC = row_uniforms(generators, (eligible_BC.shape[1],), eligible_BC.any(-1), eligible_BC.device)
+    pick_B = u_BC.masked_fill(~eligible_BC, -1.0).argmax(-1)
     chosen_BC = torch.zeros_like(eligible_BC)
     chosen_BC[torch.arange(len(pick_B), device=pick_B.device), pick_B] = True
     return chosen_BC & eligible_BC
@@ -203,6 +217,7 @@ def denoise(
     unmask_step_BC = torch.full((B, gen_length), -1, dtype=torch.long, device=device)
     confidence_BC = torch.zeros((B, gen_length), dtype=torch.float32, device=device)
     step = 0
+    row_step_B = torch.zeros(B, dtype=torch.long, device=device)  # each row's own count of its decoding steps
     block_cache = None if cache == "none" else BlockCache()
     for block in range(num_blocks):
         lo, hi = block * block_length, (block + 1) * block_length
@@ -220,12 +235,13 @@ def denoise(
             refresh = block_cache is None or i == 0 or (cache_refresh > 0 and i % cache_refresh == 0)
             span = None if refresh else (P + lo, x_BL.shape[1] if cache == "prefix" else P + hi)
             logits_BCV = window_logits(policy, x_BL, attention_mask_BL, is_prompt_BL, cfg_scale, P, block_cache, span)
-            x0_BC = gumbel_argmax(logits_BCV, temperature, generators)
+            x0_BC = gumbel_argmax(logits_BCV, temperature, generators, active_B=eligible_BC.any(-1))
             prob_BC = F.softmax(logits_BCV.double(), dim=-1).gather(-1, x0_BC[..., None]).squeeze(-1)
             chosen_BC = step_commits(prob_BC, eligible_BC, transfer_BS[:, i : i + 1], random_first and step == 0,
                                      threshold, factor, remasking, generators)
             x_BL[:, P:] = torch.where(chosen_BC, x0_BC, window_BC)
-            unmask_step_BC[chosen_BC] = step
+            unmask_step_BC = torch.where(chosen_BC, row_step_B[:, None], unmask_step_BC)
+            row_step_B += eligible_BC.any(-1).long()  # a row whose block is done waits without counting
             confidence_BC[chosen_BC] = prob_BC[chosen_BC].float()
             step += 1
     return Samples(x_BL, attention_mask_BL, P, unmask_step_BC, confidence_BC, forwards=step * (2 if cfg_scale else 1))
@@ -286,9 +302,7 @@ def scheduled_commits(prob_BC: torch.Tensor, eligible_BC: torch.Tensor, transfer
     if remasking == "low_confidence":
         score_BC = prob_BC.clone()
     else:
-        score_BC = torch.stack([torch.rand(prob_BC.shape[1], generator=g, dtype=torch.float64, device=g.device)
-                                for g in generators])
-        score_BC = score_BC.to(prob_BC.device)
+        score_BC = row_uniforms(generators, (prob_BC.shape[1],), eligible_BC.any(-1), prob_BC.device)
     score_BC = score_BC.masked_fill(~eligible_BC, float("-inf"))
     ranks_BC = score_BC.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
     return ranks_BC < transfer_B1

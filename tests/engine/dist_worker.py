@@ -2,10 +2,12 @@
 single-process baseline): short training runs at each ZeRO stage, a ZeRO-3 resume, a ZeRO-3 rollout, and the
 live logits of a ZeRO-3 engine restored from a checkpoint. Results go to files under OUT; the test compares.
 
-usage: dist_worker.py OUT MODEL (train STAGE... | lora STAGE... | resume | rollout | logits CHECKPOINT | hang)
+usage: dist_worker.py OUT MODEL (train STAGE... | lora STAGE... | uneven NAME | resume | rollout | logits CHECKPOINT |
+       hang)
 """
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -38,6 +40,14 @@ PROMPTS = ["12+7=", "3*4=", "9-5=", "8+8="]
 
 
 LORA = {"r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": "all-linear"}
+# Runs whose ranks make different numbers of forwards (dllm_rl/lockstep.py): confidence-parallel rollouts (a
+# threshold the tiny random model's confidences cross now and then) scored in the order they were decoded; and
+# a model that ignores the attention mask (the LLaDA stand-in: one forward per prompt length).
+UNEVEN = {
+    "threshold": dict(rollout={**SETTINGS["rollout"], "threshold": 0.011}, likelihood={"name": "ordered", "group": 2},
+                      inner_iterations=2),
+    "llada": dict(trust_remote_code=True),
+}
 
 
 def run_train(out: Path, model: str, stage: int, steps: int = 2, resume: bool = False, lora: bool = False) -> None:
@@ -47,6 +57,27 @@ def run_train(out: Path, model: str, stage: int, steps: int = 2, resume: bool = 
     settings = {**SETTINGS, "ref_sync_every": 0, "lora": LORA} if lora else SETTINGS
     train(DigitShare(), model=model, deepspeed={"stage": stage}, steps=steps,
           **({"resume": str(run)} if resume else {"run_dir": str(run)}), **settings)
+
+
+def run_uneven(out: Path, model: str, name: str, stage: int) -> None:
+    """An UNEVEN run at `stage`; on several ranks, every forward count each rank declared goes to a file."""
+    from dllm_rl import lockstep
+    from dllm_rl.train import train
+
+    declared, score = [], lockstep.Lockstep.score
+
+    def recording(self, estimator, policy, ids_NL, attention_mask_NL, prompt_length, *args):
+        declared.append(estimator.forwards(policy, attention_mask_NL, prompt_length, args[1]))
+        return score(self, estimator, policy, ids_NL, attention_mask_NL, prompt_length, *args)
+
+    lockstep.Lockstep.score = recording
+    try:
+        train(DigitShare(), model=model, deepspeed={"stage": stage}, steps=2, run_dir=str(out / f"{name}_zero{stage}"),
+              **{**SETTINGS, **UNEVEN[name]})
+    finally:
+        lockstep.Lockstep.score = score
+    rank = int(os.environ.get("RANK", 0))
+    (out / f"{name}_declared_rank{rank}.json").write_text(json.dumps(declared))
 
 
 def engine_for(model: str, stage: int, world):
@@ -78,6 +109,8 @@ def main(out: Path, model: str, command: str, *args: str) -> None:
     elif command == "lora":  # LoRA with the adapter-off reference at the given stages
         for stage in map(int, args):
             run_train(out, model, stage, lora=True)
+    elif command == "uneven":  # UNEVEN[name] at ZeRO-3
+        run_uneven(out, model, args[0], 3)
     elif command == "resume":  # zero3 ran 2 steps; continue to 3, and run 3 straight for comparison
         run_train(out, model, 3, steps=3, resume=True)
         straight = out / "straight"

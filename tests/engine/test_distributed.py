@@ -1,5 +1,6 @@
 """Two CPU processes over gloo (torchrun), against the single-process run: ZeRO stages 0-3 agree on loss and
-parameters after two steps, a ZeRO-3 resume continues exactly, a ZeRO-3 rollout equals the unsharded one,
+parameters after two steps, so do ZeRO-3 runs whose ranks make different numbers of forwards (parallel decoding
+scored in order, the LLaDA stand-in), a ZeRO-3 resume continues exactly, a ZeRO-3 rollout equals the unsharded one,
 the exported checkpoint gives the live engine's logits, and a rank that stops answering fails the run with
 a timeout instead of hanging it. Every launch gets its own free port and a wall-clock limit."""
 
@@ -80,16 +81,44 @@ def test_every_stage_agrees_with_the_single_process_run(runs):
         run = metrics(two / f"zero{stage}")
         for key in ("loss/policy", "loss/kl", "policy/grad_norm", "reward/on_policy", "len/on_policy"):
             assert [m[key] for m in run] == pytest.approx([m[key] for m in base], rel=1e-5, abs=1e-7), (stage, key)
-        got = weights(two / f"zero{stage}", 2)
-        # fp32, lr 1e-3. AdamW's first update is lr * g / (|g| + eps): an element whose gradient is near eps moves
-        # by up to lr when ranks sum the gradient in another order, so a handful of elements (4 of 33k at stages
-        # 0-2, 19 at stage 3, by at most 2e-5) differ from one process; a wrong gradient moves thousands by ~lr.
-        off = sum(int(((got[k] - v).abs() > 2e-6).sum()) for k, v in base_weights.items())
-        worst = max(float((got[k] - v).abs().max()) for k, v in base_weights.items())
-        assert off <= 40 and worst < 1e-4, (stage, off, worst)
+        assert_weights_agree(weights(two / f"zero{stage}", 2), base_weights, stage)
     moved = weights(two / "zero3", 2)
     start = load_file(str(root / "model" / "model.safetensors"))
     assert any(not torch.equal(start[k], moved[k]) for k in start)
+
+
+def assert_weights_agree(got: dict[str, torch.Tensor], base: dict[str, torch.Tensor], label) -> None:
+    """fp32, lr 1e-3. AdamW's first update is lr * g / (|g| + eps): an element whose gradient is near eps moves by
+    up to lr when ranks sum the gradient in another order, so a handful of elements (4 of 33k at stages 0-2, 19
+    at stage 3, by at most 2e-5) differ from one process; a wrong gradient moves thousands by ~lr."""
+    assert got.keys() == base.keys()
+    off = sum(int(((got[k] - v).abs() > 2e-6).sum()) for k, v in base.items())
+    worst = max(float((got[k] - v).abs().max()) for k, v in base.items())
+    assert off <= 40 and worst < 1e-4, (label, off, worst)
+
+
+@pytest.mark.parametrize("name", ["threshold", "llada"])
+def test_ranks_that_need_different_forward_counts_agree_with_one_process_at_zero3(runs, name, char_tokenizer):
+    """ZeRO-3's forward-count rule (dllm_rl/lockstep.py): confidence-parallel rollouts scored by the `ordered`
+    estimator, and a model that ignores the attention mask (the LLaDA stand-in, one forward per prompt length),
+    make different numbers of forwards on the two ranks; the run neither hangs nor drifts from one process."""
+    import dist_worker
+    from tests.policy.remote_standins import write_llada
+
+    root, _, _ = runs
+    model = root / "model" if name == "threshold" else write_llada(root / f"llada_{name}", char_tokenizer)
+    single, two = root / f"uneven_single_{name}", root / f"uneven_two_{name}"
+    single.mkdir()
+    two.mkdir()
+    dist_worker.run_uneven(single, str(model), name, 0)
+    launched(two, str(model), "uneven", name)
+    declared = [json.loads((two / f"{name}_declared_rank{r}.json").read_text()) for r in (0, 1)]
+    assert declared[0] != declared[1]  # the ranks needed different counts: without the rule this run hangs
+    base, run = metrics(single / f"{name}_zero0"), metrics(two / f"{name}_zero3")
+    assert all(m["policy/updates"] > 0 for m in base)
+    for key in ("loss/policy", "loss/kl", "policy/grad_norm", "reward/on_policy", "len/on_policy"):
+        assert [m[key] for m in run] == pytest.approx([m[key] for m in base], rel=1e-5, abs=1e-7), key
+    assert_weights_agree(weights(two / f"{name}_zero3", 2), weights(single / f"{name}_zero0", 2), name)
 
 
 # Golden numbers of the two-rank ZeRO-2 run (dist_worker.SETTINGS, fp32): per step (loss/policy, loss/kl,

@@ -123,3 +123,22 @@ def test_training_with_parallel_decoding_logs_forwards_and_diversity(saved_model
     assert runs["fast"]["rollout/forwards"] == 3  # the random commit, the rest of block 0, block 1
     for line in runs.values():
         assert 0 < line["rollout/distinct"] <= 1 and 0 <= line["rollout/agreement"] <= 1
+
+
+@pytest.mark.parametrize("random_first", [False, True])
+def test_parallel_decoding_batched_equals_per_row(tiny_policy, char_tokenizer, random_first):
+    """Rows that finish a block early wait for the others without drawing noise or counting steps, so a row's
+    tokens and unmask steps are those it gets alone (what makes N ranks equal one process, and evaluation
+    independent of its batch size); the threshold is one the tiny model's confidences cross now and then."""
+    texts = ["12+7=", "3*4-5=", "9=", "100-1=", "7*7="]
+    ids, mask = prompts(char_tokenizer, texts)
+    common = dict(gen_length=32, block_length=16, steps=4, temperature=1.0, random_first=random_first, threshold=0.011)
+    batched = denoise(tiny_policy, ids, mask, generators=row_generators(range(5)), **common)
+    lengths = set()
+    for b, text in enumerate(texts):
+        one_ids, one_mask = prompts(char_tokenizer, [text])
+        alone = denoise(tiny_policy, one_ids, one_mask, generators=row_generators([b]), **common)
+        assert torch.equal(alone.completion_BC[0], batched.completion_BC[b])
+        assert torch.equal(alone.unmask_step_BC[0], batched.unmask_step_BC[b])
+        lengths.add(alone.forwards)
+    assert len(lengths) > 1  # the rows alone take different numbers of steps: the batch waited for the slowest

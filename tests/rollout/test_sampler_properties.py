@@ -1,7 +1,8 @@
 """Properties every denoising rollout must have, over a grid of sampler settings on a random-logit policy:
 every window position is committed exactly once (it goes from the mask to a token at one step and never
-changes after), no mask remains, the prompt is never touched, and every recorded unmask step is the step that
-committed the position, within the steps the rollout took.
+changes after), no mask remains, the prompt is never touched, and every recorded unmask step is the row's own
+count of steps before the one that committed the position (steps at which the row still had masks in the block
+being decoded), within the steps the rollout took.
 
 The policy is the tiny random dLLM with its logits scaled (x1: near-uniform predictions, so parallel rules
 commit one token at a time; x8: confident ones, so they commit many), wrapped to record the window it is asked
@@ -62,8 +63,8 @@ def settings_sample(n: int = 90, seed: int = 0):
     return chosen
 
 
-def check_rollout(policy: DiffusionPolicy, recording: Recording, out, prompt_ids, P: int, cfg: bool,
-                  max_step: int) -> None:
+def check_rollout(policy: DiffusionPolicy, recording: Recording, out, prompt_ids, P: int, cfg: bool, block: int,
+                  steps_per_block: int | None) -> None:
     mask_id = policy.mask_id
     states = [x[: len(x) // 2] if cfg else x for x in recording.inputs]  # the conditional half under CFG
     states = states + [out.sequences_BL]
@@ -76,9 +77,19 @@ def check_rollout(policy: DiffusionPolicy, recording: Recording, out, prompt_ids
     # once a position holds a token it holds that token to the end: committed once, never rewritten
     assert (unmasked_SBC[1:] >= unmasked_SBC[:-1]).all()
     assert ((window_SBC == final_BC) | ~unmasked_SBC).all()
-    first_SBC = unmasked_SBC.int().argmax(0)  # the first state that shows it: committed by the step before
-    assert torch.equal(out.unmask_step_BC, first_SBC - 1)
-    assert (out.unmask_step_BC >= 0).all() and (out.unmask_step_BC <= max_step).all()
+    forward_BC = unmasked_SBC.int().argmax(0) - 1  # the first state that shows it: committed by the forward before
+    # a row's step counts the forwards at which it still had masks in the block being decoded: the fixed
+    # schedule's block of forward s is s // steps_per_block; parallel decoding moves on when no row has any left
+    S, B, C = window_SBC[:-1].shape
+    masked_SBK = (window_SBC[:-1] == mask_id).view(S, B, C // block, block).any(-1)
+    if steps_per_block:
+        current_S = torch.arange(S) // steps_per_block
+    else:
+        current_S = masked_SBK.any(1).int().argmax(-1)
+    active_SB = masked_SBK[torch.arange(S), :, current_S]
+    before_SB = active_SB.long().cumsum(0) - active_SB.long()  # active forwards before forward s
+    assert torch.equal(out.unmask_step_BC, before_SB.gather(0, forward_BC.T.contiguous()).T)
+    assert (out.unmask_step_BC >= 0).all() and (out.unmask_step_BC < S).all()
 
 
 @pytest.mark.parametrize("setting", settings_sample(), ids=lambda g: "-".join(map(str, g)).replace(" ", ""))
@@ -99,7 +110,8 @@ def test_every_position_is_committed_exactly_once(char_tokenizer, make_dllm, set
     steps_taken = out.forwards // (2 if cfg_scale else 1)
     assert steps_taken == len(recording.inputs)
     assert rule or steps_taken == steps  # the fixed schedule takes exactly its steps
-    check_rollout(policy, recording, out, ids, ids.shape[1], bool(cfg_scale), steps_taken - 1)
+    check_rollout(policy, recording, out, ids, ids.shape[1], bool(cfg_scale), block,
+                  None if rule else steps // (gen // block))
     if random_first:  # the first step commits one position (parallel) or counts it among its commits
         committed_0 = (out.unmask_step_BC == 0).sum(-1)
         assert (committed_0 == 1).all() if rule else (committed_0 >= 1).all()
