@@ -87,14 +87,14 @@ def arm(kill: dict) -> None:
 
         ckpt.write_manifest = write_manifest
     elif where == "latest":
-        real_atomic = ckpt._atomic_write
+        real_atomic = ckpt.atomic_write
 
         def atomic_write(path, text):
             if path.name == "latest" and text.strip() == f"step_{step:06d}":
                 die()
             return real_atomic(path, text)
 
-        ckpt._atomic_write = atomic_write
+        ckpt.atomic_write = atomic_write
 
 
 def attempt(run: Path, resume: bool, kill: dict | None, limit_s: float = 300) -> int:
