@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import pickle
+import re
 import shutil
 import warnings
 import zipfile
@@ -105,13 +106,19 @@ def complete_checkpoints(run_dir: str | Path) -> list[Path]:
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The checkpoint named by `latest` if it is complete, else the newest complete one, else None."""
+    """The checkpoint named by `latest` if it is complete, else the newest complete one, else None. A damaged
+    pointer (not a `step_NNNNNN` name) is skipped with a warning, as a damaged checkpoint is."""
     root = Path(run_dir) / "checkpoints"
     pointer = root / "latest"
     if pointer.is_file():
-        named = root / pointer.read_text().strip()
-        if (named / MARKER).is_file():
-            return named
+        try:
+            name = pointer.read_text().strip()
+        except (UnicodeDecodeError, OSError):
+            name = None
+        if name is None or not re.fullmatch(r"step_\d+", name):
+            warnings.warn(f"{pointer} is damaged (it names no checkpoint); taking the newest complete checkpoint")
+        elif (root / name / MARKER).is_file():
+            return root / name
     complete = complete_checkpoints(run_dir)
     return complete[-1] if complete else None
 

@@ -11,6 +11,8 @@ pin one.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from dllm_rl.errors import require
@@ -27,8 +29,8 @@ def native_bf16() -> bool:
 def resolve_bf16(value: bool | str, device: torch.device | str = "cpu") -> bool:
     """`bf16` as the user gave it (true, false or "auto") -> whether to autocast on `device`."""
     require(isinstance(value, bool) or value == "auto", f"bf16 must be one of true, false or auto, got {value!r}")
-    if value != "auto":
-        return value
-    if torch.device(device).type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    return native_bf16()
+    native = torch.cuda.is_bf16_supported() if torch.device(device).type == "cuda" else native_bf16()
+    if value is True and not native:  # a run pinned to bf16 on purpose still runs, only slower
+        warnings.warn(f"bf16=true on a {torch.device(device).type.upper()} without native bf16: autocast runs an "
+                      f"emulated kernel, on a CPU about 100x slower than fp32; bf16=auto decides by the hardware")
+    return native if value == "auto" else value

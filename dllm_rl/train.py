@@ -53,7 +53,7 @@ from dllm_rl.errors import ConfigError, Interrupted, require
 from dllm_rl.external.mixer import build_mixer
 from dllm_rl.likelihood.estimators import build_estimator
 from dllm_rl.optim import lr_factor
-from dllm_rl.policy.adapters import hidden_size_of, load_policy
+from dllm_rl.policy.adapters import check_cache_kind, hidden_size_of, load_policy
 from dllm_rl.policy.lora import AdapterOff, add_adapters, enable_gradient_checkpointing, trainable_parameters
 from dllm_rl.precision import resolve_bf16
 from dllm_rl.seeds import derive_seed
@@ -176,6 +176,15 @@ class Run:
     print_fn: Callable[[str], None]
 
 
+def check_model_files(cfg: TrainConfig) -> None:
+    """What the model directory's config.json says, read as JSON before anything loads: that it is there and
+    valid, a width of the right type (the DeepSpeed config is sized by it), and a block cache only for a model
+    whose code has one."""
+    require(Path(cfg.model).expanduser().is_dir(), f"model path {cfg.model!r}: expected a local model directory")
+    hidden_size_of(cfg.model)
+    check_cache_kind(cfg.model, cfg.sampler["cache"])
+
+
 def run_record(cfg: TrainConfig, task: Task, saved: dict | None) -> dict[str, Any]:
     """The config.json of a run started from Python (no Hydra config): every option, and the task by name (the
     run's own task record where the name is the same)."""
@@ -191,14 +200,17 @@ def setup(task: Task, cfg: TrainConfig, print_fn, saved_config: dict | None, all
     resumed = decide_resume(cfg.resume, saved_config, allow_changes) if cfg.resume else None
     advantage, loss_options = split_algo(cfg.algo)
     estimator = build_estimator(cfg.likelihood)
+    ds_options, timeout_s = engine_options(cfg.deepspeed)
+    # Join first, then read files: a rank that fails on them (the model's config, the external model, the data
+    # files) posts its reason for its peers (engine/rendezvous.py) instead of leaving them at the rendezvous.
+    world = init_distributed(timeout_s)  # rank 0 of 1 without a launcher
+    check_model_files(cfg)
     device = default_device()  # this rank's GPU (LOCAL_RANK) where there is one: every stage's tensors go there
     autocast = autocast_on(device, resolve_bf16(cfg.bf16, device))
     mixer = build_mixer(cfg.external, cfg.mixing, estimator, device=device)
     if mixer is not None:
         loss_options["shaping_gamma"] = mixer.config.shaping_gamma
-    ds_options, timeout_s = engine_options(cfg.deepspeed)
     splits = describe_splits(task, needed=("train", "test") if cfg.eval_every > 0 else ("train",))
-    world = init_distributed(timeout_s)  # rank 0 of 1 without a launcher
     print_fn = print_fn if world.is_main else (lambda *_: None)
     if splits:
         print_fn(splits)

@@ -36,6 +36,7 @@ TRAIN = [
     ("rollout.threshold=0.9 rollout.remasking=random", "need rollout.remasking=low_confidence"),
     ("rollout.random_first=maybe", "rollout.random_first='maybe': expected bool"),
     ("rollout.temperature_floor=-0.5", "rollout.temperature_floor=-0.5: expected a finite number >= 0"),
+    ("rollout.cache_refresh=2", "rollout.cache_refresh=2 refreshes a block cache, and rollout.cache=none has none"),
     ("external=none rollout=default", "every rollout of a prompt is the same and GRPO's advantages are all zero"), ("+rollout.top_p=0.9", "unknown config key 'rollout.top_p'"),
     ("likelihood.name=elbow", "likelihood.name must be one of"),
     ("likelihood.prompt_mask_prob=2", "likelihood.prompt_mask_prob=2: expected a probability in [0, 1]"),
@@ -94,6 +95,10 @@ GENERATE = [
     ("num_samples=0", "num_samples=0"), ("kind=gpt", "unknown kind"), ("dtype=float64", "unknown dtype"),
     ("rollout.steps=0", "rollout.steps=0"), ("prompt=5", "prompt=5: expected str"), ("seed=1.5", "seed=1.5"),
     ("model=/nonexistent/m", "expected a local model directory"),
+    # denoising options given to a causal LM would change nothing: named, not ignored
+    ("model=models/tiny-ar rollout.cache=dual", "rollout.cache='dual' applies to a masked-diffusion model's denoising"),
+    ("model=models/tiny-ar rollout.threshold=0.9", "rollout.threshold=0.9 applies to a masked-diffusion model"),
+    ("model=models/tiny-ar rollout.random_first=true", "rollout.random_first=True applies to a masked-diffusion"),
 ]
 SFT = [
     ("steps=0", "steps=0: expected a number >= 1"), ("batch_size=0", "batch_size=0"), ("examples=0", "examples=0"),
@@ -105,6 +110,7 @@ TASKS = [("n=0", "n must be a positive integer"), ("check=-1", "check must be a 
          ("split=val", "split must be one of"), ("task.blanks=0", "blanks"), ("task=sudoku task.blanks=13", "blanks"),
          ("tokenizer=/nonexistent/t", "expected a local tokenizer directory")]
 EXPORT = [("checkpoint=/nonexistent/c", "expected a training checkpoint directory"),
+          ("checkpoint=/nonexistent/c device=tpu", "device='tpu': expected auto, cpu, cuda or cuda:N"),
           ("checkpoint=/nonexistent/c output_dir=/tmp/x", "expected a training checkpoint directory")]
 
 CASES = ([("train", o, m) for o, m in TRAIN] + [("eval", o, m) for o, m in EVAL]

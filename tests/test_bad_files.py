@@ -72,3 +72,63 @@ def test_bad_external_rollout_files(saved_model, tmp_path, capsys, content, mess
     err = run(["train", f"model={saved_model}", f"run_dir={tmp_path / 'run'}", "steps=1", "external=jsonl",
                f"external.path={path}", "eval_every=0"], capsys)
     assert message in err
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"model_type": "dllm_rl_diffusion_lm",', "config.json is not valid JSON"),
+    ("", "config.json is not valid JSON"),
+    (None, "config.json has hidden_size='64'; expected a positive integer"),
+])
+def test_a_training_model_whose_config_json_is_bad(model_copy, tmp_path, capsys, text, message):
+    """The trainer reads the model's config.json (its width sizes the DeepSpeed config) before it loads anything:
+    a malformed or empty file, or a width of the wrong type, is a named error, not a JSONDecodeError or TypeError."""
+    config = model_copy / "config.json"
+    if text is None:
+        config.write_text(json.dumps({**json.loads(config.read_text()), "hidden_size": "64"}))
+    else:
+        config.write_text(text)
+    err = run(["train", f"model={model_copy}", f"run_dir={tmp_path / 'run'}", "steps=1", "eval_every=0"], capsys)
+    assert message in err
+
+
+def test_an_external_causal_lm_that_is_not_one(saved_model, tmp_path, capsys):
+    """A masked-diffusion model, or truncated weights, given as the external causal LM: named by its key."""
+    args = [f"model={saved_model}", "steps=1", "eval_every=0", "external=causal_lm"]
+    err = run(["train", *args, f"run_dir={tmp_path / 'a'}", f"external.path={saved_model}"], capsys)
+    assert f"external.path='{saved_model}' is a masked-diffusion model" in err
+    broken = tmp_path / "tiny-ar"
+    shutil.copytree("models/tiny-ar", broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    err = run(["train", *args, f"run_dir={tmp_path / 'b'}", f"external.path={broken}"], capsys)
+    assert f"external.path='{broken}': cannot load a causal LM from it" in err
+
+
+def test_a_block_cache_for_a_model_without_one_is_refused_before_it_loads(tmp_path, char_tokenizer, capsys):
+    """The LLaDA stand-in without its weights: the refusal comes from config.json alone (loading would fail on
+    the missing weights with another message)."""
+    from tests.policy.remote_standins import write_llada
+
+    path = write_llada(tmp_path / "llada", char_tokenizer)
+    (path / "model.safetensors").unlink()
+    message = "rollout.cache='dual': a llada model's code has no block cache"
+    common = ["rollout.cache=dual", "trust_remote_code=true"]
+    assert message in run(["train", f"model={path}", f"run_dir={tmp_path / 'run'}", "steps=1", *common], capsys)
+    assert message in run(["eval", f"model={path}", f"output_dir={tmp_path / 'eval'}", *common], capsys)
+
+
+def test_a_damaged_checkpoint_is_not_exported(saved_model, tmp_path, capsys):
+    from dllm_rl.checkpoint import latest_checkpoint
+
+    run_dir = tmp_path / "run"
+    assert cli.main(["train", f"model={saved_model}", f"run_dir={run_dir}", "steps=2", "checkpoint_every=1",
+                     "eval_every=0", "task=arithmetic", "prompts_per_step=2", "group_size=2", "minibatch_size=4",
+                     "rollout.gen_length=16", "rollout.block_length=8", "rollout.steps=8", "tensorboard=false"]) == 0
+    newest = latest_checkpoint(run_dir)
+    (newest / "model.safetensors").write_bytes(b"flipped")
+    err = run(["export", f"checkpoint={newest}", f"output_dir={tmp_path / 'out'}"], capsys)
+    assert "is damaged (model.safetensors has 7 bytes" in err
+    # the run directory takes its newest intact checkpoint, as resume does
+    with pytest.warns(UserWarning, match="step_000002 is damaged"):
+        assert cli.main(["export", f"checkpoint={run_dir}", f"output_dir={tmp_path / 'out'}"]) == 0
+    assert "exported " + str(run_dir / "checkpoints" / "step_000001") in capsys.readouterr().out

@@ -4,6 +4,7 @@ previous complete one, and a planted pickle is refused before anything unpickles
 import json
 import os
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -103,3 +104,22 @@ def test_a_failed_checkpoint_write_names_the_directory_and_keeps_the_previous_ch
         train(DigitShare(), model=saved_model, resume=str(run), steps=6, **SETTINGS)
     assert latest_checkpoint(run).name == "step_000004" and resumable_checkpoint(run).name == "step_000004"
     assert not any(p.name.startswith(".tmp") for p in (run / "checkpoints").iterdir())
+
+
+@pytest.mark.parametrize("pointer", [b"\xff\xfe\x00garbage", b"../../etc", b"step_000009"])
+def test_a_damaged_latest_pointer_falls_back_to_the_newest_complete_checkpoint(run, saved_model, pointer):
+    """`checkpoints/latest` holding binary garbage, a path, or a checkpoint that is not there: the newest complete
+    checkpoint is taken (with a warning where the pointer names none), and the run resumes from it."""
+    from dllm_rl.checkpoint import latest_checkpoint
+
+    (run / "checkpoints" / "latest").write_bytes(pointer)
+    if pointer.startswith(b"step_"):
+        assert latest_checkpoint(run).name == "step_000004"
+    else:
+        with pytest.warns(UserWarning, match="latest is damaged"):
+            assert latest_checkpoint(run).name == "step_000004"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train(DigitShare(), model=saved_model, resume=str(run), steps=5, **SETTINGS)
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5]

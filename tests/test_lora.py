@@ -3,6 +3,7 @@ network with the adapter off), checkpoints hold the adapter only and resume exac
 the adapter into its base, and checkpointed gradients equal plain ones."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -134,9 +135,33 @@ def test_lora_refuses_what_it_cannot_do(saved_model, tmp_path):
     with pytest.raises(ConfigError, match="ref_sync_every=2 with lora.r=4"):
         train(DigitShare(), model=saved_model, run_dir=str(tmp_path / "a"), steps=1, lora=LORA, ref_sync_every=2,
               **SMALL)
-    with pytest.raises(ConfigError, match=r"lora.target_modules=\['nope'\].*linear layers are named"):
+    with pytest.raises(ConfigError, match=r"lora.target_modules: 'nope' matches no linear layer.*named \["):
         train(DigitShare(), model=saved_model, run_dir=str(tmp_path / "b"), steps=1,
               lora={**LORA, "target_modules": ["nope"]}, **SMALL)
+
+
+@pytest.mark.parametrize("lora, message", [
+    # a typo beside a real name: peft would adapt qkv alone, silently
+    ({"target_modules": ["qkv", "o_proj"]}, "lora.target_modules: 'o_proj' matches no linear layer"),
+    ({"r": 1000}, "lora.r=1000: larger than the rank of every adapted layer (at most 32"),
+])
+def test_lora_options_that_would_train_something_else_are_named(saved_model, tmp_path, lora, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        train(DigitShare(), model=saved_model, run_dir=str(tmp_path / "run"), steps=1, lora={**LORA, **lora}, **SMALL)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_lora_may_adapt_the_output_head_by_name(saved_model, tmp_path):
+    """all-linear leaves the head out; naming it is a deliberate choice, and it trains."""
+    from dllm_rl.policy.lora import adapted_layers
+
+    net = load_policy(saved_model)[0].model
+    head = [name for name, m in adapted_layers(net, ["lm_head"]).items()]
+    assert head and not set(head) & set(adapted_layers(net, "all-linear"))
+    run = tmp_path / "run"
+    train(DigitShare(), model=saved_model, run_dir=str(run), steps=1, lora={**LORA, "target_modules": ["lm_head"]},
+          **SMALL)
+    assert metrics(run)[0]["policy/updates"] == 1
 
 
 @pytest.mark.slow

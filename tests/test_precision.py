@@ -23,3 +23,16 @@ def test_native_support_is_onednns_answer():
 def test_bad_values_are_named(value):
     with pytest.raises(ConfigError, match=f"bf16 must be one of true, false or auto, got {value!r}"):
         precision.resolve_bf16(value)
+
+
+def test_bf16_forced_where_it_is_not_native_runs_with_a_warning(monkeypatch):
+    """A run pinned to bf16 on purpose still runs (its numbers are valid), but it is told what it costs."""
+    monkeypatch.setattr(precision, "native_bf16", lambda: False)
+    with pytest.warns(UserWarning, match="bf16=true on a CPU without native bf16: autocast runs an emulated kernel"):
+        assert precision.resolve_bf16(True) is True
+    monkeypatch.setattr(precision, "native_bf16", lambda: True)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert precision.resolve_bf16(True) is True

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModel
 
-from dllm_rl.checkpoint import latest_checkpoint, vet_pickles
+from dllm_rl.checkpoint import damage, resumable_checkpoint, vet_pickles
 from dllm_rl.data.tokenizers import load_tokenizer
 from dllm_rl.device import resolve_device
 from dllm_rl.engine.engine import CHECKPOINT_TAG
@@ -26,14 +26,18 @@ from dllm_rl.policy.lora import adapter_base
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory, or a run directory (its latest complete checkpoint)."""
+    """A checkpoint directory whose files match their manifest, or a run directory (its newest intact checkpoint,
+    as `resume` takes it: a damaged newest one falls back to the previous with a warning)."""
     path = Path(path)
     if (path / "checkpoints").is_dir():
-        found = latest_checkpoint(path)
-        require(found is not None, f"checkpoint={str(path)!r}: the run has no complete checkpoint")
-        path = found
+        found = resumable_checkpoint(path)  # checked against its manifest there
+        require(found is not None, f"checkpoint={str(path)!r}: the run has no complete, intact checkpoint")
+        return found
     require((path / CHECKPOINT_TAG).is_dir(), f"checkpoint={str(path)!r}: expected a training checkpoint directory "
             f"(checkpoints/step_NNNNNN, with a {CHECKPOINT_TAG}/ folder) or a run directory")
+    why = damage(path)
+    require(why is None, f"checkpoint={str(path)!r} is damaged ({why}); export an earlier checkpoint of the run, or "
+            f"give the run directory to take its newest intact one")
     return path
 
 
@@ -52,11 +56,12 @@ def export_checkpoint(checkpoint: str, output_dir: str, trust_remote_code: bool 
     """Write the checkpoint's consolidated weights, config and tokenizer to `output_dir`. A LLaDA or Dream
     checkpoint builds its model from the code it ships, so it needs `trust_remote_code=True`. A LoRA checkpoint's
     base model is loaded, and the adapter merged, on `device`; DeepSpeed's shards are joined on the CPU."""
+    target = resolve_device(device)  # checked whatever the checkpoint (only a LoRA one is loaded on it)
     source, out = resolve_checkpoint(checkpoint), Path(output_dir)
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"output_dir={output_dir!r} exists and is not empty; choose a new directory")
     if adapter_base(source) is not None:  # LoRA: the base model with the checkpoint's adapter merged in
-        policy, tokenizer = load_policy(str(source), device=resolve_device(device), trust_remote_code=trust_remote_code)
+        policy, tokenizer = load_policy(str(source), device=target, trust_remote_code=trust_remote_code)
         return publish(out, policy.model, tokenizer, f"exported {source} (base {adapter_base(source)} with its LoRA "
                        f"adapter merged) to {out}", print_fn)
     kind = MODEL_TYPES.get(str(read_config(str(source), "checkpoint").get("model_type", "")).lower(), "other")

@@ -32,7 +32,7 @@ from typing import Iterator
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from dllm_rl.errors import RunStopped
+from dllm_rl.errors import Interrupted, RunStopped
 
 POLL_S = (0.01, 0.5)  # first and longest wait between two looks at the store
 
@@ -163,11 +163,12 @@ def roll_call(point: str) -> None:
 @contextlib.contextmanager
 def stop_together() -> Iterator[None]:
     """Around a run: an error here is posted for the other ranks; a peer's earlier failure is raised instead
-    of the error it caused here. Ctrl-C is this rank's own business (every rank gets it from a terminal)."""
+    of the error it caused here. Ctrl-C is no failure: every rank stops after the same step (the ranks decide
+    it together) with its own `Interrupted`, and a second Ctrl-C (KeyboardInterrupt) is each rank's own."""
     try:
         yield
     except Exception as error:
-        if ROLL is None or ROLL.size == 1 or isinstance(error, RankFailed):
+        if ROLL is None or ROLL.size == 1 or isinstance(error, (RankFailed, Interrupted)):
             raise
         try:
             cause = ROLL.fail(error)

@@ -81,7 +81,8 @@ class CausalLMSource:
                       "draft_tokens": "non_negative", "draft_match": "at_least_1", "draft_history": "at_least_1",
                       "draft_capacity": "at_least_1"}, "external")
         self.generator = load_generator(path, kind="causal", dtype=dtype, trust_remote_code=trust_remote_code,
-                                        device=device or "cpu", gen_length=max_new_tokens, temperature=temperature)
+                                        device=device or "cpu", key="external.path", gen_length=max_new_tokens,
+                                        temperature=temperature)
         self.path, self.batch_size = path, batch_size
         self.draft_tokens = draft_tokens
         # per prompt uid, in memory only: a resumed run starts with empty trees, which changes its speed, not its rows

@@ -233,11 +233,25 @@ def hidden_size_of(path: str) -> int | None:
     from dllm_rl.policy.lora import adapter_base
 
     path = adapter_base(path) or path
-    config_file = Path(path).expanduser() / "config.json"
-    if not config_file.is_file():
+    if not (Path(path).expanduser() / "config.json").is_file():
         return None
-    config = json.loads(config_file.read_text())
-    return config.get("hidden_size") or config.get("d_model")
+    config = read_config(path)
+    for field in ("hidden_size", "d_model"):
+        value = config.get(field)
+        if value is not None:
+            require(isinstance(value, int) and not isinstance(value, bool) and value > 0,
+                    f"model={path!r}: config.json has {field}={value!r}; expected a positive integer")
+            return value
+    return None
+
+
+def check_cache_kind(path: str, cache: str, kind: str = "auto", key: str = "rollout.cache") -> None:
+    """A block cache asked of a model whose code has none is a named error before the model loads."""
+    if cache == "none":
+        return
+    kind = kind_of(path) if kind == "auto" else kind
+    require(kind in CACHED_KINDS, f"{key}={cache!r}: a {kind} model's code has no block cache (model={path!r}); use "
+            f"{key}=none (its rollouts can still decode in parallel with rollout.threshold)")
 
 
 def load_policy(path: str, kind: str = "auto", dtype: str = "float32", device: str | torch.device = "cpu",

@@ -55,6 +55,7 @@ def add_adapters(network: nn.Module, options: dict[str, Any], base_path: str, se
     from peft import LoraConfig, get_peft_model
 
     targets = options["target_modules"]
+    check_targets(network, targets, options["r"])
     config = LoraConfig(r=options["r"], lora_alpha=options["alpha"], lora_dropout=options["dropout"],
                         target_modules=targets if targets == "all-linear" else list(targets), bias="none",
                         base_model_name_or_path=str(Path(base_path).expanduser().resolve()))
@@ -68,6 +69,31 @@ def add_adapters(network: nn.Module, options: dict[str, Any], base_path: str, se
         linear = sorted({name.rsplit(".", 1)[-1] for name, m in network.named_modules() if isinstance(m, nn.Linear)})
         raise ConfigError(f"lora.target_modules={targets!r}: {str(error).splitlines()[0][:200]}; this model's "
                           f"linear layers are named {linear}") from None
+
+
+def adapted_layers(network: nn.Module, targets) -> dict[str, nn.Linear]:
+    """The linear layers `targets` names: every one but the output head for all-linear (as peft takes it), else
+    those whose name is a target or ends with `.target`."""
+    linear = {name: m for name, m in network.named_modules() if isinstance(m, nn.Linear)}
+    if targets == "all-linear":
+        head = network.get_output_embeddings() if hasattr(network, "get_output_embeddings") else None
+        return {name: m for name, m in linear.items() if m is not head}
+    return {name: m for name, m in linear.items() if any(name == t or name.endswith("." + t) for t in targets)}
+
+
+def check_targets(network: nn.Module, targets, r: int) -> None:
+    """Named errors for adapters that would train something else than asked: a listed target that matches no
+    linear layer (a typo peft passes over while another target matches), and a rank no adapted layer has room
+    for (r > min(in, out) everywhere: no longer low-rank, only more weights). Targeting the output head by name
+    is allowed (all-linear leaves it out)."""
+    names = sorted({name.rsplit(".", 1)[-1] for name, m in network.named_modules() if isinstance(m, nn.Linear)})
+    for target in [] if targets == "all-linear" else targets:
+        require(adapted_layers(network, [target]), f"lora.target_modules: {target!r} matches no linear layer of "
+                f"this model; its linear layers are named {names}")
+    layers = adapted_layers(network, targets)
+    room = max((min(m.in_features, m.out_features) for m in layers.values()), default=0)
+    require(not layers or r <= room, f"lora.r={r}: larger than the rank of every adapted layer (at most {room}, "
+            f"min(in, out)); such an adapter is no longer low-rank. Use lora.r <= {room}")
 
 
 def has_adapters(network: nn.Module) -> bool:

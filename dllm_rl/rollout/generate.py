@@ -11,13 +11,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM
 
 from dllm_rl.data.tokenizers import load_tokenizer
 
 from dllm_rl.device import device_of, resolve_device
 from dllm_rl.errors import ConfigError, check_kwargs, check_ranges, pick, require
-from dllm_rl.policy.adapters import DTYPES, LOGITS_FNS, MODEL_TYPES, DiffusionPolicy, load_policy, read_config
+from dllm_rl.policy.adapters import (DTYPES, LOGITS_FNS, MODEL_TYPES, DiffusionPolicy, check_cache_kind, load_policy,
+                                     read_config)
 from dllm_rl.rollout.causal import Drafter, SpeculativeStats, sample_causal, sample_speculative
 from dllm_rl.rollout.sampler import check_sampler_settings, completion_texts, denoise, first_eos, left_pad
 from dllm_rl.seeds import row_generators
@@ -113,32 +115,50 @@ def load_causal_lm(path: str, dtype: str = "float32", trust_remote_code: bool = 
                    device: str | torch.device = "cpu"):
     """A causal LM from a local directory, on `device`. One whose code ships in the directory (a model type
     transformers does not know) loads only with `trust_remote_code=True`; without it, a named error instead of
-    running the code."""
+    running the code. A masked-diffusion model, a malformed config or truncated weights are named errors too."""
+    model_type = str(read_config(path, key).get("model_type", ""))
+    require(model_type.lower() not in MODEL_TYPES, f"{key}={path!r} is a masked-diffusion model (model_type "
+            f"{model_type!r}); expected a causal LM directory (e.g. models/tiny-ar, a Qwen checkpoint)")
     try:
         return AutoModelForCausalLM.from_pretrained(path, dtype=pick(DTYPES, dtype, "dtype"),
                                                     trust_remote_code=trust_remote_code).to(device).eval()
     except ValueError as error:
-        if "trust_remote_code" not in str(error):
-            raise
-        raise ConfigError(f"{key}={path!r}: its model code ships in the directory (config.json auto_map) and "
-                          f"loading it runs that code; pass trust_remote_code=true if you trust {path}") from None
+        if "trust_remote_code" in str(error):
+            raise ConfigError(f"{key}={path!r}: its model code ships in the directory (config.json auto_map) and "
+                              f"loading it runs that code; pass trust_remote_code=true if you trust {path}") from None
+        raise ConfigError(f"{key}={path!r}: cannot load a causal LM from it (model_type {model_type!r}: "
+                          f"{str(error).strip().splitlines()[0][:200]})") from None
+    except (OSError, RuntimeError, SafetensorError) as error:  # a missing, truncated or mismatched file
+        raise ConfigError(f"{key}={path!r}: cannot load a causal LM from it ({type(error).__name__}: "
+                          f"{str(error).strip().splitlines()[0][:200]})") from None
+
+
+# Sampler options that only a denoising sampler reads, with the value that leaves them off: given to a causal LM
+# they would change nothing, so they are named errors instead
+DENOISING_ONLY = {"threshold": None, "factor": None, "random_first": False, "cache": "none", "cache_refresh": 0,
+                  "cfg_scale": 0.0, "remasking": "low_confidence"}
 
 
 def load_generator(path: str, kind: str = "auto", dtype: str = "float32", trust_remote_code: bool = False,
-                   device: str | torch.device = "auto", **settings: Any) -> TextGenerator:
+                   device: str | torch.device = "auto", key: str = "model", **settings: Any) -> TextGenerator:
     """A TextGenerator for a local checkpoint on `device` (auto: this process's GPU where there is one, else the
-    CPU); `kind` is auto, native, llada, dream or causal. Code that ships with a checkpoint runs only with
-    `trust_remote_code=True`."""
+    CPU); `kind` is auto, native, llada, dream or causal; `key` names the path in errors. Code that ships with a
+    checkpoint runs only with `trust_remote_code=True`."""
     pick(dict.fromkeys(KINDS), kind, "kind")
     pick(DTYPES, dtype, "dtype")
     device = resolve_device(device)
     check_kwargs(check_sampler_settings, settings, "rollout", exclude=("key",))
-    require(Path(path).expanduser().is_dir(), f"model={path!r}: expected a local model directory")
+    require(Path(path).expanduser().is_dir(), f"{key}={path!r}: expected a local model directory")
     if kind == "causal" or (kind == "auto" and not is_diffusion_checkpoint(path)):
         check_ranges(settings, {"gen_length": "at_least_1", "temperature": "non_negative"}, "rollout")
-        model = load_causal_lm(path, dtype, trust_remote_code, device=device)
-        return TextGenerator(model, load_tokenizer(path, "model", trust_remote_code=trust_remote_code), **settings)
+        for option, off in DENOISING_ONLY.items():
+            given = settings.get(option, off)
+            require(given == off, f"rollout.{option}={given!r} applies to a masked-diffusion model's denoising; "
+                    f"{key}={path!r} is a causal LM (leave it at {off!r})")
+        model = load_causal_lm(path, dtype, trust_remote_code, key=key, device=device)
+        return TextGenerator(model, load_tokenizer(path, key, trust_remote_code=trust_remote_code), **settings)
     check_sampler_settings(**settings)
+    check_cache_kind(path, settings.get("cache", "none"), kind)
     policy, tokenizer = load_policy(path, kind=kind, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     return TextGenerator(policy, tokenizer, **settings)
 

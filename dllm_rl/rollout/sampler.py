@@ -72,6 +72,8 @@ def check_sampler_settings(gen_length: int = 64, block_length: int = 32, steps: 
     require(cache in CACHE_MODES, f"{key}.cache must be one of {CACHE_MODES}, got {cache!r}")
     require(cache_refresh >= 0, f"{key}.cache_refresh={cache_refresh}: expected >= 0 (0: at the start of every "
             f"block only; n: also every n steps inside a block; 1: every step, exact)")
+    require(cache_refresh == 0 or cache != "none", f"{key}.cache_refresh={cache_refresh} refreshes a block cache, "
+            f"and {key}.cache=none has none: set {key}.cache=prefix or dual, or {key}.cache_refresh=0")
     check_ranges(dict(gen_length=gen_length, block_length=block_length, steps=steps), dict.fromkeys(
         ("gen_length", "block_length", "steps"), "at_least_1"), key)
     check_ranges(dict(temperature=temperature, cfg_scale=cfg_scale, factor=factor, temperature_floor=temperature_floor),

@@ -3,6 +3,7 @@ launcher to tear the others down): when one rank fails at start-up or never come
 within `deepspeed.timeout_s` plus a margin, with an error naming that rank."""
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -48,6 +49,40 @@ def test_a_rank_with_a_bad_model_path_stops_its_peer_with_its_reason(tmp_path, b
     assert status == 1 and "Traceback" not in output, output
     assert f"stopped: rank {bad} failed: ConfigError: model path '/no/such/model'" in output, output
     assert seconds < TIMEOUT_S + MARGIN_S
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["external=causal_lm", "external.path=/no/such/ar"], "external.path='/no/such/ar': expected a local"),
+    (["task=gsm8k", "task.train_file=/no/such.jsonl", "eval_every=0"], "task.train_file='/no/such.jsonl': no such file"),
+])
+def test_a_rank_failing_on_its_external_model_or_data_files_stops_its_peer_with_its_reason(tmp_path, overrides,
+                                                                                         message):
+    """They load after the rendezvous: the failing rank's reason reaches its peer at once, not "did not reach the
+    rendezvous" after the whole timeout."""
+    port = free_port()
+    ranks = {1: start(1, port, tmp_path / "run", *overrides), 0: start(0, port, tmp_path / "run")}
+    status, output, _ = finish(ranks[1])
+    assert status == 2 and message in output and "Traceback" not in output, output
+    status, output, seconds = finish(ranks[0])
+    assert status == 1 and f"stopped: rank 1 failed: ConfigError: {message}" in output, output
+    assert seconds < TIMEOUT_S + MARGIN_S
+
+
+def test_ctrl_c_under_a_launcher_is_an_interrupt_on_every_rank(tmp_path):
+    """SIGINT to every rank, as a terminal's Ctrl-C sends it: each stops after the same step with the interrupt's
+    own message and status 130, none reports the other as failed."""
+    port, run = free_port(), tmp_path / "run"
+    ranks = {r: start(r, port, run, "steps=200", "checkpoint_every=0") for r in (0, 1)}
+    deadline = time.monotonic() + 120
+    while not (run / "metrics.jsonl").is_file() or not (run / "metrics.jsonl").read_text().strip():
+        assert time.monotonic() < deadline and all(p.poll() is None for p in ranks.values())
+        time.sleep(0.2)
+    for process in ranks.values():
+        process.send_signal(signal.SIGINT)
+    for rank, process in ranks.items():
+        status, output, _ = finish(process)
+        assert status == 130 and "stopped: interrupted after step" in output, (rank, output)
+        assert "failed" not in output and "Traceback" not in output, (rank, output)
 
 
 @pytest.mark.parametrize("started", [0, 1])

@@ -52,11 +52,14 @@ def test_a_stale_cache_misses_what_changed_outside_the_span(tiny_policy, char_to
 
 
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_refreshed_every_step_the_cached_sampler_is_the_plain_one(tiny_policy, char_tokenizer, cache, temperature):
+@pytest.mark.parametrize("temperature, cfg_scale", [(0.0, 0.0), (1.0, 0.0), (1.0, 1.5)])
+def test_refreshed_every_step_the_cached_sampler_is_the_plain_one(tiny_policy, char_tokenizer, cache, temperature,
+                                                                  cfg_scale):
+    """With classifier-free guidance the cache holds the conditional and the prompt-masked rows alike, so a cache
+    with guidance is a well-formed (approximate) sampler, exact when refreshed every step."""
     ids, mask = left_pad([char_tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("12+7=", "3*4-5=", "9=")],
                          char_tokenizer.pad_token_id)
-    common = dict(gen_length=16, block_length=8, steps=16, temperature=temperature)
+    common = dict(gen_length=16, block_length=8, steps=16, temperature=temperature, cfg_scale=cfg_scale)
     plain = denoise(tiny_policy, ids, mask, generators=row_generators([1, 2, 3]), **common)
     cached = denoise(tiny_policy, ids, mask, cache=cache, cache_refresh=1, generators=row_generators([1, 2, 3]),
                      **common)
