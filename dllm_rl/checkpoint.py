@@ -6,9 +6,9 @@ A checkpoint is a directory `checkpoints/step_NNNNNN/` holding
 - `deepspeed/`: DeepSpeed's states, sharded per rank at ZeRO >= 1 (module, fp32 master weights, optimizer);
   `dllm-rl export` consolidates them,
 - `reference/` when the KL reference is synced during training (`ref_sync_every`),
-- `trainer_state.pt`: the LR schedule, the RNG state, the loop's own state (step, data position, counters),
-  and the ZeRO stage and world size it was written with (tensors and plain values only: it loads with
-  `weights_only=True`),
+- `trainer_state.pt`: the LR schedule, the loop's own state (step, data position, counters), and the ZeRO
+  stage and world size it was written with (tensors and plain values only: it loads with `weights_only=True`),
+- `rng_rank<R>.pt`: each rank's global random state, its CPU's and its GPUs' (what dropout draws from),
 - `MANIFEST.json`: the size and SHA-256 of every other file,
 - a `COMPLETE` marker written last.
 It is assembled under a temporary name and renamed into place by rank 0 (an atomic rename on POSIX), then
@@ -69,6 +69,7 @@ def save_checkpoint(run_dir: str | Path, step: int, engine: Engine, scheduler, s
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         barrier(world)
+        torch.save(rng_state(), tmp / f"rng_rank{world.rank}.pt")  # before rank 0's manifest (barriers follow)
         engine.save_checkpoint(tmp)
         engine.save_model(tmp, tokenizer)  # so that a checkpoint is a model directory `dllm-rl eval` can load
         if reference is not None:
@@ -209,5 +210,24 @@ def load_trainer_state(path: Path, engine: Engine, scheduler) -> dict[str, Any]:
             f"`dllm-rl export checkpoint={path} output_dir=...` and start a new run from the exported model")
     engine.load_checkpoint(path)
     scheduler.load_state_dict(saved["scheduler"])
-    torch.set_rng_state(saved["torch_rng"])
+    own = path / f"rng_rank{engine.world.rank}.pt"
+    if own.is_file():
+        set_rng_state(torch.load(own, weights_only=True, map_location="cpu"))
+    else:  # written before every rank saved its own: rank 0's CPU state
+        torch.set_rng_state(saved["torch_rng"])
     return saved["state"]
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's global random state: the CPU generator's and every visible GPU's. Only what draws from the
+    global state needs it (dropout, e.g. LoRA's); every other draw of a run comes from seeded generators."""
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

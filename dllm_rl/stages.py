@@ -107,6 +107,17 @@ class PromptSource:
 
 
 @contextlib.contextmanager
+def eval_mode(network: torch.nn.Module):
+    """`network` in eval mode for the duration (no dropout), back in the mode it was in after."""
+    was_training = network.training
+    network.eval()
+    try:
+        yield
+    finally:
+        network.train(was_training)
+
+
+@contextlib.contextmanager
 def inference(net: torch.nn.Module, engine: Engine, autocast: ContextManager):
     """Eval mode, autocast and (ZeRO-3) the full parameters for the duration: how the policy generates."""
     net.eval()
@@ -204,7 +215,8 @@ def score_old_and_reference(batch: StepBatch, policy, reference, iterations: int
     """Each row's estimator mask seed per inner iteration (a function of seed, step, iteration, source and global
     row: old, reference and current policy share it), then its old and reference log-probs under those masks.
     With `reuse_current` (one iteration, one minibatch) the old log-probs are the current ones detached, as in
-    d1. With the mixer's importance correction, the external rows' weights from their old log-probs."""
+    d1. With the mixer's importance correction, the external rows' weights from their old log-probs. Scored in
+    eval mode: dropout (LoRA's) would make them noisy and draw from the global RNG."""
     for source, rows in batch.rows.items():
         tag = () if source == "on_policy" else (source,)
         start = rows.shard.start if rows.shard is not None else 0
@@ -212,7 +224,7 @@ def score_old_and_reference(batch: StepBatch, policy, reference, iterations: int
                            [derive_seed(seed, "mask", batch.step, it, *tag, start + n) for n in range(len(rows))]
                            for it in range(iterations)]
     lockstep = dp.lockstep if dp is not None else None
-    with torch.no_grad(), autocast:
+    with torch.no_grad(), autocast, eval_mode(policy.model):
         for rows in batch.rows.values():
             rows.old_logp = [None if reuse_current else rows.score_all(policy, it, lockstep)
                              for it in range(iterations)]

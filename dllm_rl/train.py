@@ -18,7 +18,10 @@ This module sets the run up (process group, models, engine, stages), runs the lo
 
 How it departs from d1:
 - every random draw (rollout noise, estimator masks, prompt order, minibatches) is a function of (seed, step,
-  row), so a resumed run repeats the uninterrupted one exactly and N ranks repeat one process;
+  row), so a resumed run repeats the uninterrupted one exactly and N ranks repeat one process. The exception is
+  dropout (LoRA's), which draws from the global RNG: seeded from (seed, rank) and saved per rank with every
+  checkpoint, so a resumed run still repeats the uninterrupted one, but N ranks draw other dropout masks than
+  one process (old and reference log-probs are scored without dropout);
 - with one inner iteration and one minibatch, the old log-probs are the current ones detached (the ratio is
   exactly 1; this saves one scoring pass), as in d1's own implementation;
 - a step without a learning signal (every group's rewards equal, or every row with a non-zero advantage given
@@ -204,6 +207,7 @@ def setup(task: Task, cfg: TrainConfig, print_fn, saved_config: dict | None, all
     # Join first, then read files: a rank that fails on them (the model's config, the external model, the data
     # files) posts its reason for its peers (engine/rendezvous.py) instead of leaving them at the rendezvous.
     world = init_distributed(timeout_s)  # rank 0 of 1 without a launcher
+    torch.manual_seed(derive_seed(cfg.seed, "global", world.rank))  # dropout's draws (`train` forks the state)
     check_model_files(cfg)
     device = default_device()  # this rank's GPU (LOCAL_RANK) where there is one: every stage's tensors go there
     autocast = autocast_on(device, resolve_bf16(cfg.bf16, device))
@@ -287,7 +291,10 @@ def train(task: Task, *, saved_config: dict[str, Any] | None = None, allow_chang
     options and the task's name). With `resume`, a change that would alter the run is refused unless
     `allow_changes` (dllm_rl/resume.py). Returns the last step's metrics, averaged over ranks."""
     cfg = TrainConfig.from_options(options)
-    with stop_together():  # a rank that fails tells the others which it was and why
+    gpu = default_device()
+    # the global RNG, which only dropout draws from, is the run's own: seeded from (seed, rank), saved with
+    # checkpoints, and the caller's state is back when the run ends
+    with stop_together(), torch.random.fork_rng(devices=[gpu.index] if gpu.type == "cuda" else []):
         run = setup(task, cfg, print_fn, saved_config, allow_changes)
         metrics = run_steps(run)
     run.tracker.close()

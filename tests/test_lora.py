@@ -2,6 +2,7 @@
 network with the adapter off), checkpoints hold the adapter only and resume exactly, `eval` and `export` merge
 the adapter into its base, and checkpointed gradients equal plain ones."""
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -84,6 +85,53 @@ def test_lora_resume_is_exact(lora_run, tmp_path):
     a, b = (load_file(str(latest_checkpoint(run) / "adapter_model.safetensors")) for run in (straight, split))
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert [line["loss/policy"] for line in metrics(split)] == [line["loss/policy"] for line in metrics(straight)]
+
+
+def test_with_dropout_resume_is_exact_and_old_log_probs_are_scored_without_it(lora_run, tmp_path):
+    """LoRA dropout draws from the global RNG: checkpoints save it (per rank) so a resumed run draws what the
+    uninterrupted one drew, and the old / reference log-probs are scored in eval mode (no dropout), so scoring
+    them twice gives the same values and draws nothing."""
+    model, _ = lora_run
+    lora = {**LORA, "dropout": 0.3}
+    options = {**KL, "inner_iterations": 2, "checkpoint_every": 2}  # two iterations: old log-probs are scored
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    train(DigitShare(), model=str(model), run_dir=str(straight), steps=4, lora=lora, **options)
+    train(DigitShare(), model=str(model), run_dir=str(split), steps=2, lora=lora, **options)
+    torch.manual_seed(12345)  # whatever the process did since, the resume restores the run's own state
+    train(DigitShare(), model=str(model), resume=str(split), steps=4, lora=lora, **options)
+    a, b = (load_file(str(latest_checkpoint(run) / "adapter_model.safetensors")) for run in (straight, split))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert (latest_checkpoint(split) / "rng_rank0.pt").is_file()
+
+    import contextlib
+
+    from dllm_rl.data_parallel import DataParallel
+    from dllm_rl.engine import World
+    from dllm_rl.likelihood.estimators import build_estimator
+    from dllm_rl.policy.lora import add_adapters
+    from dllm_rl.stages import StepBatch, score_old_and_reference
+    from tests.conftest import fake_rows
+
+    policy, _ = load_policy(str(model))
+    net = add_adapters(policy.model.train(), lora, base_path=str(model), seed=0)
+    with torch.no_grad():  # a non-zero B, so the adapter (and its dropout) changes the output
+        for name, p in net.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+    policy = dataclasses.replace(policy, model=net)
+    batch = StepBatch(0, [], [], 0, rows={"on_policy": fake_rows("on_policy", 4, C=6)})
+    rows = batch.rows["on_policy"]
+    dp = DataParallel(World(), 1, 4, 4)
+    dp.shard_sources(batch.rows, {"on_policy": build_estimator({"name": "mean_field"})})
+    state = torch.get_rng_state()
+    score_old_and_reference(batch, policy, None, 2, False, 0, contextlib.nullcontext(), dp=dp)
+    first = [t.clone() for t in rows.old_logp]
+    score_old_and_reference(batch, policy, None, 2, False, 0, contextlib.nullcontext(), dp=dp)
+    assert all(torch.equal(x, y) for x, y in zip(first, rows.old_logp)) and net.training
+    assert torch.equal(torch.get_rng_state(), state)  # no dropout draw
+    with torch.no_grad():
+        train_mode = rows.score_all(policy, 0)
+    assert not torch.equal(train_mode, first[0])  # with dropout they would have been noisy
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(tiny_policy):

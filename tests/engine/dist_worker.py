@@ -2,8 +2,8 @@
 single-process baseline): short training runs at each ZeRO stage, a ZeRO-3 resume, a ZeRO-3 rollout, and the
 live logits of a ZeRO-3 engine restored from a checkpoint. Results go to files under OUT; the test compares.
 
-usage: dist_worker.py OUT MODEL (train STAGE... | lora STAGE... | uneven NAME | resume | rollout | logits CHECKPOINT |
-       hang)
+usage: dist_worker.py OUT MODEL (train STAGE... | lora STAGE... | dropout | uneven NAME | resume | rollout |
+       logits CHECKPOINT | hang)
 """
 
 import json
@@ -50,13 +50,15 @@ UNEVEN = {
 }
 
 
-def run_train(out: Path, model: str, stage: int, steps: int = 2, resume: bool = False, lora: bool = False) -> None:
+def run_train(out: Path, model: str, stage: int, steps: int = 2, resume: bool = False, lora: bool | dict = False,
+              name: str | None = None, **extra) -> None:
+    """A SETTINGS run at `stage`; `lora`: True (LORA) or the lora options."""
     from dllm_rl.train import train
 
-    run = out / f"{'lora_' if lora else ''}zero{stage}"
-    settings = {**SETTINGS, "ref_sync_every": 0, "lora": LORA} if lora else SETTINGS
+    run = out / (name or f"{'lora_' if lora else ''}zero{stage}")
+    settings = {**SETTINGS, "ref_sync_every": 0, "lora": LORA if lora is True else lora} if lora else SETTINGS
     train(DigitShare(), model=model, deepspeed={"stage": stage}, steps=steps,
-          **({"resume": str(run)} if resume else {"run_dir": str(run)}), **settings)
+          **({"resume": str(run)} if resume else {"run_dir": str(run)}), **{**settings, **extra})
 
 
 def run_uneven(out: Path, model: str, name: str, stage: int) -> None:
@@ -106,9 +108,15 @@ def main(out: Path, model: str, command: str, *args: str) -> None:
         for stage in map(int, args):
             run_train(out, model, stage)
         (out / f"group_timeouts_rank{world.rank}.json").write_text(json.dumps(group_timeouts()))
-    elif command == "lora":  # LoRA with the adapter-off reference at the given stages
-        for stage in map(int, args):
+    elif command == "lora":  # LoRA with the adapter-off reference at the given stages, and at stage 3 with
+        for stage in map(int, args):  # gradient checkpointing
             run_train(out, model, stage, lora=True)
+        run_train(out, model, 3, lora=True, name="lora_gc_zero3", gradient_checkpointing=True)
+    elif command == "dropout":  # LoRA dropout (global RNG): 2 steps + resume to 3 against 3 straight, at stage 2
+        lora = {**LORA, "dropout": 0.3}
+        run_train(out, model, 2, lora=lora, name="dropout")
+        run_train(out, model, 2, steps=3, resume=True, lora=lora, name="dropout")
+        run_train(out, model, 2, steps=3, lora=lora, name="dropout_straight")
     elif command == "uneven":  # UNEVEN[name] at ZeRO-3
         run_uneven(out, model, args[0], 3)
     elif command == "resume":  # zero3 ran 2 steps; continue to 3, and run 3 straight for comparison

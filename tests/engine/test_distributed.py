@@ -162,8 +162,7 @@ def test_lora_at_zero2_and_zero3_agrees_with_the_single_process_run(runs):
     launched(two, str(root / "model"), "lora", "2", "3")
     reference = metrics(single / "lora_zero0")
     adapter = load_file(str(single / "lora_zero0" / "checkpoints" / "step_000002" / "adapter_model.safetensors"))
-    for stage in (2, 3):
-        run = two / f"lora_zero{stage}"
+    for run in (two / "lora_zero2", two / "lora_zero3", two / "lora_gc_zero3"):  # the last: gradient checkpointing
         for a, b in zip(metrics(run), reference):
             assert a["loss/policy"] == pytest.approx(b["loss/policy"], rel=1e-5, abs=1e-7)
             assert a["loss/kl"] == pytest.approx(b["loss/kl"], rel=1e-4, abs=1e-9)
@@ -173,6 +172,22 @@ def test_lora_at_zero2_and_zero3_agrees_with_the_single_process_run(runs):
         assert got.keys() == adapter.keys()
         for name in adapter:
             torch.testing.assert_close(got[name], adapter[name], rtol=0, atol=2e-6)
+
+
+def test_lora_dropout_resumes_bit_for_bit_on_two_ranks(runs):
+    """Dropout draws from each rank's global RNG: every rank saves its own with the checkpoint (rank 1 restoring
+    rank 0's would draw other masks), so the resumed run equals the uninterrupted one bit for bit."""
+    root, _, _ = runs
+    out = root / "dropout"
+    out.mkdir()
+    launched(out, str(root / "model"), "dropout")
+    resumed, straight = out / "dropout", out / "dropout_straight"
+    assert {p.name for p in (resumed / "checkpoints" / "step_000002").glob("rng_rank*.pt")} == {"rng_rank0.pt",
+                                                                                           "rng_rank1.pt"}
+    a, b = (load_file(str(run / "checkpoints" / "step_000003" / "adapter_model.safetensors")) for run in (resumed, straight))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    strip = lambda m: {k: v for k, v in m.items() if not k.startswith("perf/")}  # noqa: E731
+    assert [strip(m) for m in metrics(resumed)] == [strip(m) for m in metrics(straight)]
 
 
 def test_zero3_resume_continues_exactly(runs):
