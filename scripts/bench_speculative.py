@@ -5,8 +5,8 @@ replays that: `--rounds` rounds, each sampling `--group` rollouts of each of `--
 seeds (as the trainer derives them per step), through the `causal_lm` source with `draft_tokens=0` (plain,
 the baseline) and with each `--draft-tokens` k (speculative; its trees learn from every round). For each round it
 reports tokens per second, forward passes, draft acceptance and tokens per forward, and the speedup over plain
-sampling measured in the same round. It checks that speculative rows are those of the same sampler without
-drafts (the sampler's inverse-CDF draws; `sample_speculative` with no drafter), text for text.
+sampling measured in the same round. Plain and speculative sampling are one sampling rule (rollout/causal.py):
+the script checks that every speculative row is the plain one, text for text.
 
 Prints a table and writes JSON.
 
@@ -31,20 +31,6 @@ from dllm_rl.seeds import derive_seed
 ROOT = Path(__file__).resolve().parents[1]
 
 
-class Undrafted(CausalLMSource):
-    """The speculative sampler with no drafts: the rows speculative decoding must reproduce, one token per
-    forward (the same inverse-CDF draws)."""
-
-    def sample(self, prompts, seeds, uids):
-        with torch.no_grad():
-            samples, stats = self.generator.speculate(prompts, seeds, lambda row, tokens: [], 0)
-        self.stats.add(stats)
-        return samples
-
-    def step_metrics(self):
-        return self.stats.metrics()
-
-
 def timed(source, task, examples, group, seeds):
     start = time.perf_counter()
     rows = source.rollouts(task, examples, group, seeds)
@@ -60,21 +46,17 @@ def run_task(name: str, args) -> list[dict]:
     options = dict(temperature=args.temperature, max_new_tokens=args.max_new_tokens, batch_size=args.batch,
                    device=args.device)
     plain = CausalLMSource(args.model, **options)
-    reference = Undrafted(args.model, **options)
     speculative = {k: CausalLMSource(args.model, draft_tokens=k, **options) for k in args.draft_tokens}
     out = []
     for r in range(args.rounds):
         seeds = [[derive_seed(args.seed, "external", r, i, j) for j in range(args.group)] for i in range(len(examples))]
         base, base_s, tokens = timed(plain, task, examples, args.group, seeds)
-        ref, ref_s, ref_tokens = timed(reference, task, examples, args.group, seeds)
         rows = [dict(task=name, round=r, mode="plain", seconds=base_s, tokens=tokens, tokens_per_s=tokens / base_s,
-                     speedup=1.0),
-                dict(task=name, round=r, mode="undrafted", seconds=ref_s, tokens=ref_tokens,
-                     tokens_per_s=ref_tokens / ref_s, speedup=base_s / ref_s, **reference.step_metrics())]
+                     speedup=1.0)]
         for k, source in speculative.items():
             got, seconds, n = timed(source, task, examples, args.group, seeds)
-            same = [[x.text for x in rs] for rs in got] == [[x.text for x in rs] for rs in ref]
-            assert same, f"{name} round {r}: speculative rows (k={k}) differ from the undrafted sampler's"
+            same = [[x.text for x in rs] for rs in got] == [[x.text for x in rs] for rs in base]
+            assert same, f"{name} round {r}: speculative rows (k={k}) differ from plain sampling's"
             rows.append(dict(task=name, round=r, mode=f"draft={k}", seconds=seconds, tokens=n, tokens_per_s=n / seconds,
                              speedup=base_s / seconds, **source.step_metrics()))
         for row in rows:

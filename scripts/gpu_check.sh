@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One-shot check of the GPU path on a single-GPU machine, in under 8 minutes, with nothing but this repository,
+# One-shot check of the GPU path on a single-GPU machine (not yet run on one: its checks' time limits add up to
+# 11 minutes, so a hung check cannot outlast a 15-minute GPU loan), with nothing but this repository,
 # the machine's own Python and packages (torch with CUDA, transformers, peft, accelerate, pandas, tensorboard,
 # pytest) and wheels/ made beforehand by `python scripts/gpu_wheels.py` on a machine that reaches the registry.
 #
@@ -65,8 +66,8 @@ PY
 }
 
 export -f install cuda
-check install 240 bash -c install
-if ! check cuda 60 bash -c cuda; then
+check install 120 bash -c install
+if ! check cuda 30 bash -c cuda; then
   for name in gpu_tests train step_8b speculative; do
     echo "FAIL $name (not run: no usable GPU)"
     printf '%s\t%s\t%s\n' "$name" 1 0 >> "$OUT_DIR/checks.tsv"
@@ -74,12 +75,12 @@ if ! check cuda 60 bash -c cuda; then
   SKIP_REST=1
 fi
 if [ -z "${SKIP_REST:-}" ]; then
-check gpu_tests 240 "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider
-check train 180 "$PY" -m dllm_rl.cli train steps=6 eval_every=6 eval_prompts=64 checkpoint_every=0 tensorboard=false \
+check gpu_tests 180 "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider
+check train 120 "$PY" -m dllm_rl.cli train steps=6 eval_every=6 eval_prompts=64 checkpoint_every=0 tensorboard=false \
   run_dir="$WORK/train"
 cp "$WORK/train/metrics.jsonl" "$OUT_DIR/train_metrics.jsonl" 2>/dev/null
-check step_8b 300 "$PY" scripts/gpu_step.py --work "$WORK/step" --out "$OUT_DIR/gpu_step.json"
-check speculative 120 "$PY" scripts/bench_speculative.py --device cuda --rounds 3 --draft-tokens 4 8 \
+check step_8b 150 "$PY" scripts/gpu_step.py --work "$WORK/step" --out "$OUT_DIR/gpu_step.json"
+check speculative 60 "$PY" scripts/bench_speculative.py --device cuda --rounds 3 --draft-tokens 4 8 \
   --out "$OUT_DIR/bench_speculative.json"
 fi
 
