@@ -42,11 +42,12 @@ PROMPTS = ["12+7=", "3*4=", "9-5=", "8+8="]
 LORA = {"r": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": "all-linear"}
 # Runs whose ranks make different numbers of forwards (dllm_rl/lockstep.py): confidence-parallel rollouts (a
 # threshold the tiny random model's confidences cross now and then) scored in the order they were decoded; and
-# a model that ignores the attention mask (the LLaDA stand-in: one forward per prompt length).
+# a model that ignores the attention mask (the LLaDA stand-in: one forward per prompt length); both with held-out
+# evaluation, which decodes in the gathered phase.
 UNEVEN = {
     "threshold": dict(rollout={**SETTINGS["rollout"], "threshold": 0.011}, likelihood={"name": "ordered", "group": 2},
-                      inner_iterations=2),
-    "llada": dict(trust_remote_code=True),
+                      inner_iterations=2, eval_every=2, eval_prompts=3),
+    "llada": dict(trust_remote_code=True, eval_every=2, eval_prompts=3),
 }
 
 

@@ -115,9 +115,12 @@ def test_ranks_that_need_different_forward_counts_agree_with_one_process_at_zero
     declared = [json.loads((two / f"{name}_declared_rank{r}.json").read_text()) for r in (0, 1)]
     assert declared[0] != declared[1]  # the ranks needed different counts: without the rule this run hangs
     base, run = metrics(single / f"{name}_zero0"), metrics(two / f"{name}_zero3")
-    assert all(m["policy/updates"] > 0 for m in base)
-    for key in ("loss/policy", "loss/kl", "policy/grad_norm", "reward/on_policy", "len/on_policy"):
-        assert [m[key] for m in run] == pytest.approx([m[key] for m in base], rel=1e-5, abs=1e-7), key
+    assert [m["step"] for m in base] == [m["step"] for m in run] == [0, 1, 2]  # held-out evaluation at 0 and 2
+    assert all(m["policy/updates"] > 0 for m in base[1:])
+    for key in ("loss/policy", "loss/kl", "policy/grad_norm", "reward/on_policy", "len/on_policy", "eval/reward",
+                "eval/len"):
+        got, want = ([m[key] for m in lines if key in m] for lines in (run, base))
+        assert len(want) == 2 and got == pytest.approx(want, rel=1e-5, abs=1e-7), key
     assert_weights_agree(weights(two / f"{name}_zero3", 2), weights(single / f"{name}_zero0", 2), name)
 
 
