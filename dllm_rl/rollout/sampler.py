@@ -232,18 +232,19 @@ def denoise(
         for i in range(block_length if parallel else steps_per_block):
             window_BC = x_BL[:, P:]
             eligible_BC = (window_BC == mask_id) & in_block_C  # masked tokens of the current block compete
-            if parallel and not eligible_BC.any():
+            active_B = eligible_BC.any(-1)  # a row whose block is done waits: it draws nothing, counts no step
+            if parallel and not active_B.any():
                 break
             refresh = block_cache is None or i == 0 or (cache_refresh > 0 and i % cache_refresh == 0)
             span = None if refresh else (P + lo, x_BL.shape[1] if cache == "prefix" else P + hi)
             logits_BCV = window_logits(policy, x_BL, attention_mask_BL, is_prompt_BL, cfg_scale, P, block_cache, span)
-            x0_BC = gumbel_argmax(logits_BCV, temperature, generators, active_B=eligible_BC.any(-1))
+            x0_BC = gumbel_argmax(logits_BCV, temperature, generators, active_B=active_B)
             prob_BC = F.softmax(logits_BCV.double(), dim=-1).gather(-1, x0_BC[..., None]).squeeze(-1)
             chosen_BC = step_commits(prob_BC, eligible_BC, transfer_BS[:, i : i + 1], random_first and step == 0,
                                      threshold, factor, remasking, generators)
             x_BL[:, P:] = torch.where(chosen_BC, x0_BC, window_BC)
             unmask_step_BC = torch.where(chosen_BC, row_step_B[:, None], unmask_step_BC)
-            row_step_B += eligible_BC.any(-1).long()  # a row whose block is done waits without counting
+            row_step_B += active_B.long()
             confidence_BC[chosen_BC] = prob_BC[chosen_BC].float()
             step += 1
     return Samples(x_BL, attention_mask_BL, P, unmask_step_BC, confidence_BC, forwards=step * (2 if cfg_scale else 1))
