@@ -37,6 +37,7 @@ TRAIN = [
     ("rollout.random_first=maybe", "rollout.random_first='maybe': expected bool"),
     ("rollout.temperature_floor=-0.5", "rollout.temperature_floor=-0.5: expected a finite number >= 0"),
     ("rollout.cache_refresh=2", "rollout.cache_refresh=2 refreshes a block cache, and rollout.cache=none has none"),
+    ("external=causal_lm external.draft_capacity=0", "external.draft_capacity=0: expected a number >= 1"),
     ("external=none rollout=default", "every rollout of a prompt is the same and GRPO's advantages are all zero"), ("+rollout.top_p=0.9", "unknown config key 'rollout.top_p'"),
     ("likelihood.name=elbow", "likelihood.name must be one of"),
     ("likelihood.prompt_mask_prob=2", "likelihood.prompt_mask_prob=2: expected a probability in [0, 1]"),
