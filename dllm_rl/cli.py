@@ -197,6 +197,25 @@ def resumed_config(run_dir: str, overrides: list[str]) -> tuple[DictConfig, bool
     return cfg, allowed
 
 
+CONSENT_ENV = "DLLM_RL_TRUST_REMOTE_CODE"  # =1: consent for every trust_remote_code key of this command
+
+
+def consent_given(cfg: DictConfig, overrides: list[str]) -> None:
+    """Consent to run the code a model directory ships is the person's who runs the command: every
+    `trust_remote_code` key (`trust_remote_code`, `external.trust_remote_code`) is true only where the command
+    line sets it (`trust_remote_code=true`) or the environment has DLLM_RL_TRUST_REMOTE_CODE=1. A config file
+    (a recipe in configs/, a resumed run's config.json) cannot give it: its `true` is reset to false, so a
+    directory that ships code stops with the named error that asks for consent; the environment variable says
+    yes to every such key of the command."""
+    given = {o.lstrip("+").partition("=")[0]: yaml_value(o.partition("=")[2]) for o in overrides if "=" in o}
+    env = os.environ.get(CONSENT_ENV, "").strip().lower()
+    if env not in ("", "0", "1", "true", "false"):
+        raise ConfigError(f"{CONSENT_ENV}={os.environ[CONSENT_ENV]!r}: expected 1 (consent) or 0")
+    for key in [k for k in _all_keys(cfg) if k.rpartition(".")[2] == "trust_remote_code"]:
+        if key not in given:
+            OmegaConf.update(cfg, key, env in ("1", "true"))
+
+
 def yaml_value(text: str) -> Any:
     return OmegaConf.create({"v": text}).v if text == "" else OmegaConf.create(f"v: {text}").v
 
@@ -249,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg, allowed = resumed_config(resume[-1], [o for o in overrides if not o.startswith("resume=")])
         else:
             cfg = compose_config(config_name, overrides)
+        consent_given(cfg, overrides)
         if "--cfg" in flags:
             print(OmegaConf.to_yaml(cfg, resolve=True), end="")
             return 0

@@ -25,7 +25,8 @@ from dllm_rl.optim import LR_SCHEDULES, lr_factor
 
 # What a resumed run may change because nothing a step computes reads it (`steps`: see `steps_change_nothing`).
 RESUME_SAFE_KEYS = ("steps", "eval_every", "eval_prompts", "eval_samples", "checkpoint_every", "keep_checkpoints",
-                    "sample_every", "tensorboard", "max_bad_steps", "deepspeed.timeout_s")
+                    "sample_every", "tensorboard", "max_bad_steps", "deepspeed.timeout_s", "trust_remote_code",
+                    "external.trust_remote_code")  # consent, given again by whoever resumes (cli.consent_given)
 NOT_COMPARED = ("resume", "run_dir")  # where the run is, not what it computes
 CONFIG = "config.json"
 

@@ -40,10 +40,11 @@ class PhaseTimer:
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self.current: str | None = None  # the phase running now (what a failure report names)
 
     @contextlib.contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
-        start = time.perf_counter()
+        start, self.current = time.perf_counter(), phase
         try:
             yield
         finally:

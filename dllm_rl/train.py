@@ -46,12 +46,13 @@ from tqdm import tqdm
 
 from dllm_rl.algo.correction import SamplerCorrection
 from dllm_rl.buffer import Rows
-from dllm_rl.checkpoint import complete_checkpoints, load_trainer_state, resumable_checkpoint, save_checkpoint
+from dllm_rl.checkpoint import (complete_checkpoints, latest_checkpoint, load_trainer_state, resumable_checkpoint,
+                                save_checkpoint)
 from dllm_rl.data.task import Task, describe_splits
 from dllm_rl.data_parallel import DataParallel
 from dllm_rl.device import autocast as autocast_on, default_device
 from dllm_rl.engine import (Engine, World, broadcast_object, deepspeed_config, init_distributed,
-                            partitioned_loading, roll_call, stop_together)
+                            partitioned_loading, peers_answering, roll_call, stop_together)
 from dllm_rl.errors import ConfigError, Interrupted, require
 from dllm_rl.external.mixer import build_mixer
 from dllm_rl.likelihood.estimators import build_estimator
@@ -305,9 +306,10 @@ def train(task: Task, *, saved_config: dict[str, Any] | None = None, allow_chang
 
 def run_steps(run: Run) -> dict[str, float]:
     """The loop: each step's stages, then metrics, samples, evaluation and checkpoint."""
-    cfg, dp, learner = run.cfg, run.dp, run.learner
+    cfg, dp = run.cfg, run.dp
     if run.state["step"] == 0 and cfg.eval_every > 0:
-        before = run.held_out()
+        with peers_answering(lambda: "the evaluation before step 1", lambda: resume_hint(run)):
+            before = run.held_out()
         run.tracker.log(0, before)
         run.print_fn(console_line(0, cfg.steps, before))
     metrics: dict[str, float] = {}
@@ -315,27 +317,43 @@ def run_steps(run: Run) -> dict[str, float]:
     with StopRequest() as stop, bar:
         for step in bar:
             timer = PhaseTimer()
-            with timer("rollout"):
-                batch = run.prompts(step)
-                batch.rows["on_policy"] = run.rollouts(batch)
-                verify(batch, run.task)
-            with timer("external"):
-                if run.external is not None:
-                    run.external(batch)
-                run.advantages(batch)
-            with timer("score"):
-                dp.shard_sources(batch.rows, run.estimators)
-                run.score(batch)
-                if run.correct is not None:
-                    run.correct(batch)
-            with timer("update"):
-                update_metrics = learner.update(batch)
-            metrics = step_metrics(batch, update_metrics, timer.metrics(), dp)
-            record_step(run, step, batch, metrics)
+            with peers_answering(lambda: f"the {timer.current} phase of step {step + 1}", lambda: resume_hint(run)):
+                batch, metrics = run_step(run, step, timer)
+                timer.current = "evaluation, logging and checkpoint"
+                record_step(run, step, batch, metrics)
             if dp.any(stop.requested):  # every rank stops after the same step
                 raise Interrupted(f"interrupted after step {step + 1} of {cfg.steps}; continue from its last "
                                   f"checkpoint with resume={run.run_dir}")
     return metrics
+
+
+def run_step(run: Run, step: int, timer: PhaseTimer) -> tuple[StepBatch, dict[str, float]]:
+    """One step's stages, each timed: rollouts, external rows and advantages, scoring, the update."""
+    dp = run.dp
+    with timer("rollout"):
+        batch = run.prompts(step)
+        batch.rows["on_policy"] = run.rollouts(batch)
+        verify(batch, run.task)
+    with timer("external"):
+        if run.external is not None:
+            run.external(batch)
+        run.advantages(batch)
+    with timer("score"):
+        dp.shard_sources(batch.rows, run.estimators)
+        run.score(batch)
+        if run.correct is not None:
+            run.correct(batch)
+    with timer("update"):
+        update_metrics = run.learner.update(batch)
+    return batch, step_metrics(batch, update_metrics, timer.metrics(), dp)
+
+
+def resume_hint(run: Run) -> str:
+    """Where an interrupted run continues from: its newest intact checkpoint, and the resume command."""
+    checkpoint = latest_checkpoint(run.run_dir)
+    where = (f"the last checkpoint is step {int(checkpoint.name.split('_')[-1])}" if checkpoint is not None
+             else "no checkpoint was written yet (a resume starts again from step 0)")
+    return f"{where}; continue with resume={run.run_dir}"
 
 
 def record_step(run: Run, step: int, batch: StepBatch, metrics: dict[str, float]) -> None:

@@ -7,6 +7,12 @@
 3. Symbolic equivalence with Hugging Face's `math-verify` (sympy-based) for everything else (`\\sqrt{2}/2`,
    intervals, sets, polynomials), run in a separate worker process that is killed after `timeout_s`.
 
+An answer must be a value, not a calculation left to do: a prediction with an operator the reference does not
+have (`\\int`, `\\sum`, `\\prod`, `\\lim`, a derivative) is wrong, whatever sympy would make of it
+(`\\int_0^1 x\\,dx` is not an answer to "1/2", although it evaluates to it). That is the practice of the
+MATH graders (Hendrycks' `is_equiv`, which d1 uses, compares normalised strings, so it never evaluates one) and
+keeps a policy from being paid for copying the question into its answer.
+
 Hostile answers never raise and never hang: longer than `MAX_ANSWER_CHARS`, non-ASCII digits (`٣`, `３`)
 and numbers with absurd exponents score False with a reason, and anything slower than the timeout in
 sympy is cut off. No torch is imported here.
@@ -33,6 +39,7 @@ _NUMBER = re.compile(
     r"[+-]?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)?(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?", re.ASCII
 )
 _FRAC = re.compile(r"\\frac\{([^{}]*)\}\{([^{}]*)\}")
+_UNEVALUATED = re.compile(r"\\(?:i*int|oint|sum|prod|lim|partial)(?![a-zA-Z])|\\frac\{d\}\{d|\\frac\{d\^")
 _TEXT = re.compile(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}")
 
 
@@ -82,6 +89,9 @@ def math_equal(pred: str, ref: str, symbolic: bool = True, timeout_s: float = 3.
     p, r = normalize(pred), normalize(ref)
     if p == r:
         return True, "ok"
+    left = {m.group(0) for m in _UNEVALUATED.finditer(p)} - {m.group(0) for m in _UNEVALUATED.finditer(r)}
+    if left:
+        return False, f"unevaluated expression ({' '.join(sorted(left))}): expected its value"
     p_num, r_num = parse_number(p), parse_number(r)
     if p_num is not None and r_num is not None:
         return (True, "ok") if p_num == r_num else (False, "wrong answer")

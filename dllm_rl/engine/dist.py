@@ -88,6 +88,8 @@ def init_distributed(timeout_s: float = 600.0) -> World:
     GENERATION += 1
     roll = rendezvous.ROLL = RollCall(store, rank, size, timeout_s, GENERATION)
     roll("the rendezvous", absent="not started, or failed before joining")
+    if size > 1:
+        roll.heartbeat = rendezvous.Heartbeat(rank, GENERATION, timeout)
     gpu = gpu_usable()
     options = {}
     if gpu:
@@ -122,6 +124,8 @@ def shutdown(clean: bool = True) -> None:
         if clean:
             dist.barrier()
         deepspeed.comm.destroy_process_group()
+    if rendezvous.ROLL is not None and rendezvous.ROLL.heartbeat is not None:
+        rendezvous.ROLL.heartbeat.stop()
     rendezvous.ROLL = None
 
 

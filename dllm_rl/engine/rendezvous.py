@@ -14,6 +14,11 @@ launcher's agent does under torchrun). Everything here is bounded by `deepspeed.
   rank whose own error came after a peer's failure (a collective that timed out because the peer left) reports
   the peer's error, the cause. Rank 0 hosts the store, so when it stops it waits (at most the timeout) until
   every rank has read the news.
+- **Peers lost mid-run.** Every rank's `Heartbeat` thread counts up a key of its own in the store. When a
+  collective fails (gloo's "Connection reset by peer", or its timeout when a peer is stopped or stuck), the
+  survivor looks at whose count stands still (`RollCall.silent`) and the run stops with a sentence naming that
+  rank, where it was, and the checkpoint to resume from, instead of the backend's traceback. A peer whose
+  store went with it (rank 0 hosts it) is named the same way.
 
 Every process group is made with the timeout too. DeepSpeed creates its own groups with `new_group(ranks)`,
 which takes torch's module default (30 minutes), not the default group's timeout; `init_distributed` sets that
@@ -26,8 +31,9 @@ import contextlib
 import datetime
 import json
 import os
+import threading
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
@@ -35,6 +41,8 @@ import torch.distributed.distributed_c10d as c10d
 from dllm_rl.errors import Interrupted, RunStopped
 
 POLL_S = (0.01, 0.5)  # first and longest wait between two looks at the store
+BEAT_S = 0.5  # between two heartbeats; a peer whose count stands still for SILENT_BEATS of them is lost
+SILENT_BEATS = 4
 
 
 class RankFailed(RunStopped):
@@ -49,10 +57,15 @@ def apply_group_timeout(timeout: datetime.timedelta) -> None:
         c10d.default_pg_nccl_timeout = timeout
 
 
+def hosts_store(rank: int) -> bool:
+    """Whether this rank hosts the rendezvous store (rank 0, unless torchrun's agent does)."""
+    return rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+
+
 def open_store(rank: int, size: int, timeout: datetime.timedelta) -> dist.Store:
     """The rendezvous store at MASTER_ADDR:MASTER_PORT: hosted by rank 0, or by torchrun's agent."""
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    hosting = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    hosting = hosts_store(rank)
     try:
         return dist.TCPStore(host, port, size, is_master=hosting, timeout=timeout, wait_for_workers=False,
                              multi_tenant=True)
@@ -82,8 +95,9 @@ class RollCall:
     def __init__(self, store: dist.Store, rank: int, size: int, timeout_s: float, generation: int = 0):
         self.store = dist.PrefixStore(f"dllm_rl/{generation}", store)  # one namespace per group formed
         self.rank, self.size, self.timeout_s = rank, size, timeout_s
-        self.hosting = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        self.hosting = hosts_store(rank)
         self.calls = 0
+        self.heartbeat: Heartbeat | None = None
 
     def __call__(self, point: str, absent: str = "stopped without a word: killed, out of memory, or busy") -> None:
         """Return when every rank has reached `point`; raise `RankFailed` naming the ranks that failed, or
@@ -131,6 +145,35 @@ class RollCall:
         self.stopped()
         return None
 
+    def silent(self) -> list[int]:
+        """The peers whose heartbeat stands still over SILENT_BEATS beats: killed, stopped or cut off. Takes
+        SILENT_BEATS * BEAT_S seconds; raises the store's error when the store is gone."""
+        peers = [r for r in range(self.size) if r != self.rank]
+        before = {r: self.store.add(f"beat/{r}", 0) for r in peers}
+        time.sleep(SILENT_BEATS * BEAT_S)
+        after = {r: self.store.add(f"beat/{r}", 0) for r in peers}
+        return [r for r in peers if after[r] == before[r]]
+
+    def lost(self, error: BaseException, where: str, resume: str) -> RankFailed | None:
+        """After `error` in a collective: `RankFailed` naming the peers that stopped answering (rank 0 when the
+        store it hosts is gone too), `where` this rank was, and `resume` (what to do next); None when a peer
+        posted its own failure (`stop_together` reports that one) or every peer still answers (the error is
+        this rank's own)."""
+        if self.size == 1:
+            return None
+        try:
+            if self.failures():
+                return None
+            silent = self.silent()
+            if not silent or self.failures():
+                return None
+            self.stopped(expected=self.size - len(silent))  # the silent ones will not say so
+        except (RuntimeError, dist.DistError):  # the store went with the rank that hosts it
+            if self.hosting:
+                return None
+            silent = [0]
+        return RankFailed(f"{ranks(silent)} stopped answering during {where} ({one_line(error)[:200]}); {resume}")
+
     def stopped(self, expected: int | None = None) -> None:
         """Count this rank as stopped; rank 0, which hosts the store, waits (bounded) until the `expected` ranks
         (all by default) have, so none loses the store before it has read why."""
@@ -151,6 +194,31 @@ def describe(failed: dict[int, str]) -> str:
     return "; ".join(f"rank {r} failed: {error}" for r, error in sorted(failed.items()))
 
 
+class Heartbeat:
+    """A daemon thread that adds 1 to this rank's `beat/<rank>` key every BEAT_S seconds, over a store connection
+    of its own (a store client is not shared between threads); it ends quietly when the store goes."""
+
+    def __init__(self, rank: int, generation: int, timeout: datetime.timedelta):
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        client = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        self.store = dist.PrefixStore(f"dllm_rl/{generation}", client)
+        self.key, self.done = f"beat/{rank}", threading.Event()
+        self.store.add(self.key, 1)
+        self.thread = threading.Thread(target=self.beat, name="dllm_rl-heartbeat", daemon=True)
+        self.thread.start()
+
+    def beat(self) -> None:
+        while not self.done.wait(BEAT_S):
+            try:
+                self.store.add(self.key, 1)
+            except (RuntimeError, dist.DistError):
+                return
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join(timeout=2 * BEAT_S)
+
+
 ROLL: RollCall | None = None  # this process's, once it has joined a process group
 
 
@@ -158,6 +226,23 @@ def roll_call(point: str) -> None:
     """Every rank reaches `point` before any goes on (nothing without a process group of several ranks)."""
     if ROLL is not None:
         ROLL(point)
+
+
+@contextlib.contextmanager
+def peers_answering(where: Callable[[], str], resume: Callable[[], str]) -> Iterator[None]:
+    """Around work with collectives: a RuntimeError (what gloo and NCCL raise when a peer is gone or stuck; also as
+    the cause of a `RunStopped`, such as a checkpoint that could not be written) that comes with a peer's
+    heartbeat standing still becomes `RankFailed` naming that peer, `where()` this rank was, and `resume()`. Any
+    other error passes through unchanged."""
+    try:
+        yield
+    except RuntimeError as error:
+        cause = error.__cause__ if isinstance(error, RunStopped) else error  # e.g. a checkpoint that could not be
+        collective = isinstance(cause, RuntimeError) and not isinstance(cause, RunStopped)  # written: a peer gone?
+        lost = ROLL.lost(cause, where(), resume()) if ROLL is not None and collective else None
+        if lost is None:
+            raise
+        raise lost from error
 
 
 @contextlib.contextmanager

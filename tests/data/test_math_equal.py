@@ -76,3 +76,23 @@ def test_sandbox_survives_a_killed_worker():
 def test_digits_separated_by_a_space_are_not_one_number(symbolic):
     assert math_equal("7 2", "72", symbolic=symbolic)[0] is False
     assert math_equal("1 / 2", "\\frac{1}{2}", symbolic=symbolic)[0] is True  # spaces around a fraction's parts go
+
+
+@pytest.mark.parametrize("pred, ref, reason", [
+    (r"\int_0^1 x\,dx", "1/2", r"unevaluated expression (\int)"),
+    (r"\sum_{k=1}^{3} k", "6", r"unevaluated expression (\sum)"),
+    (r"\lim_{x \to 0} \frac{\sin x}{x}", "1", r"unevaluated expression (\lim)"),
+    (r"\frac{d}{dx} x^2", "2x", r"unevaluated expression (\frac{d}{d)"),
+    (r"\prod_{k=1}^{3} k", "6", r"unevaluated expression (\prod)"),
+])
+def test_a_calculation_left_to_do_is_not_an_answer(pred, ref, reason):
+    """The MATH graders' practice (d1's is_equiv compares strings): a value is expected, even where sympy would
+    evaluate the expression to the reference."""
+    assert math_equal(pred, ref) == (False, f"{reason}: expected its value")
+
+
+def test_an_operator_the_reference_has_too_is_compared_as_usual():
+    assert math_equal(r"\sum_{k=1}^{n} k^2", r"\sum_{k=1}^{n} k^2") == (True, "ok")
+    assert math_equal(r"\int x\,dx", r"\int x dx") == (True, "ok")  # the same after normalisation
+    assert math_equal(r"\sqrt{2}/2", r"\frac{\sqrt{2}}{2}") == (True, "ok")  # \sqrt is a value: still symbolic
+    assert math_equal(r"\interval", "x")[1] != r"unevaluated expression (\int): expected its value"  # a word

@@ -3,6 +3,7 @@ launcher to tear the others down): when one rank fails at start-up or never come
 within `deepspeed.timeout_s` plus a margin, with an error naming that rank."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -109,3 +110,32 @@ def test_one_rank_is_one_world_without_a_rendezvous_wait(tmp_path):
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     assert (tmp_path / "run" / "metrics.jsonl").read_text().count('"step": 1') == 1
     assert os.path.isdir(tmp_path / "run" / "checkpoints")
+
+
+@pytest.mark.parametrize("lost, how", [(1, signal.SIGKILL), (1, signal.SIGSTOP), (0, signal.SIGKILL)])
+def test_a_peer_lost_mid_run_is_named_with_the_checkpoint_to_resume_from(tmp_path, lost, how):
+    """A rank killed (or stopped) after its first checkpoint: the survivor ends within the timeout with one line
+    naming that rank, the phase and step it was in, the last checkpoint and the resume command; no traceback.
+    A killed rank 0 takes the rendezvous store with it, and is named all the same."""
+    port, run = free_port(), tmp_path / "run"
+    ranks = {r: start(r, port, run, "steps=200", "checkpoint_every=1") for r in (0, 1)}
+    deadline = time.monotonic() + 120
+    while not (run / "checkpoints" / "latest").is_file():
+        assert time.monotonic() < deadline and all(p.poll() is None for p in ranks.values())
+        time.sleep(0.1)
+    ranks[lost].send_signal(how)
+    try:
+        status, output, seconds = finish(ranks[1 - lost])
+    finally:
+        ranks[lost].kill()
+        ranks[lost].wait()
+    assert status == 1 and "Traceback" not in output, output
+    match = re.search(rf"stopped: rank {lost} stopped answering during the (.+?) phase of step (\d+) \((.*)\); "
+                      rf"the last checkpoint is step (\d+); continue with resume=(\S+)", output)
+    assert match is not None, output
+    phase, step, cause, checkpoint, resume = match.groups()
+    assert phase in ("rollout", "external", "score", "update", "evaluation, logging and checkpoint"), output
+    assert 1 <= int(checkpoint) < int(step) + 1 and resume == str(run)
+    assert (run / "checkpoints" / f"step_{int(checkpoint):06d}" / "COMPLETE").is_file()
+    assert ("timed out" in cause.lower()) if how == signal.SIGSTOP else cause
+    assert seconds < TIMEOUT_S + MARGIN_S

@@ -4,6 +4,7 @@
 import json
 
 import pytest
+import yaml
 import torch
 from transformers import AutoConfig, AutoModel
 
@@ -194,8 +195,10 @@ def test_no_command_runs_a_checkpoints_own_code_without_consent(tmp_path, char_t
     (checkpoint / "deepspeed").mkdir()
     commands = [["eval", f"model={planted}", "num_prompts=1"], ["generate", f"model={planted}"],
                 ["sft", f"model={planted}", "steps=1"], ["train", f"model={planted}", "steps=1", f"run_dir={tmp_path / 't'}"],
-                ["export", f"checkpoint={checkpoint}", f"output_dir={tmp_path / 'out'}"]]
-    for command in commands:
+                ["export", f"checkpoint={checkpoint}", f"output_dir={tmp_path / 'out'}"],
+                ["train", "+experiment=llada8b_d1", f"model={planted}", "steps=1", f"run_dir={tmp_path / 'r'}"],
+                ["train", "+experiment=dream7b_d1", f"model={planted}", "steps=1", f"run_dir={tmp_path / 'd'}"]]
+    for command in commands:  # the recipes name LLaDA and Dream, but consent is not theirs to give
         assert cli.main(command) == 2, command
         assert not marker.exists(), command
     with pytest.raises(ConfigError, match=r"is a llada checkpoint: its model code ships in the directory .* pass "
@@ -204,6 +207,27 @@ def test_no_command_runs_a_checkpoints_own_code_without_consent(tmp_path, char_t
     assert not marker.exists()
     policy, _ = load_policy(str(planted), trust_remote_code=True)  # with consent it loads, and its code ran
     assert policy.kind == "llada" and marker.exists()
+
+
+def test_consent_comes_from_the_command_line_or_the_environment_never_a_config_file(monkeypatch, capsys):
+    from dllm_rl import cli
+
+    def consent(*args: str) -> list[bool]:
+        assert cli.main([*args, "--cfg"]) == 0
+        cfg = yaml.safe_load(capsys.readouterr().out)
+        return [cfg["trust_remote_code"], cfg["external"].get("trust_remote_code")]
+
+    recipe = ["train", "+experiment=llada8b_erils"]  # a causal LM external: two consent keys
+    monkeypatch.delenv(cli.CONSENT_ENV, raising=False)
+    assert consent(*recipe) == [False, False]
+    assert consent(*recipe, "trust_remote_code=true") == [True, False]
+    assert consent(*recipe, "external.trust_remote_code=true") == [False, True]
+    monkeypatch.setenv(cli.CONSENT_ENV, "1")
+    assert consent(*recipe) == [True, True]
+    assert consent(*recipe, "trust_remote_code=false") == [False, True]  # the command line has the last word
+    monkeypatch.setenv(cli.CONSENT_ENV, "yes please")
+    assert cli.main([*recipe, "--cfg"]) == 2
+    assert "DLLM_RL_TRUST_REMOTE_CODE='yes please': expected 1 (consent) or 0" in capsys.readouterr().err
 
 
 def test_the_context_length_is_read_under_each_models_name(tiny_policy):
