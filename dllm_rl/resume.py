@@ -9,7 +9,10 @@ given with config.json, key by key (groups flattened to `group.key`):
   evaluates, how often it checkpoints, the collective timeout (`RESUME_SAFE_KEYS`);
 - any other change (the model, the group size, the window, a source, the seed, a ZeRO stage, ...) would not
   continue the checkpoint's run: it is refused by name unless `allow_changes` is given; then it is applied, and
-  recorded with the time in the run's changes.jsonl.
+  recorded with the time in the run's changes.jsonl;
+- a change of the LoRA adapter's shape (`lora.r`, `lora.target_modules`, switching LoRA on or off) cannot be
+  applied to a checkpoint that holds the old adapter and its optimizer state: it is refused even with
+  `allow_changes`, and the error says how to start a new run from the checkpoint.
 """
 
 from __future__ import annotations
@@ -27,7 +30,13 @@ from dllm_rl.optim import LR_SCHEDULES, lr_factor
 RESUME_SAFE_KEYS = ("steps", "eval_every", "eval_prompts", "eval_samples", "checkpoint_every", "keep_checkpoints",
                     "sample_every", "tensorboard", "max_bad_steps", "deepspeed.timeout_s", "trust_remote_code",
                     "external.trust_remote_code")  # consent, given again by whoever resumes (cli.consent_given)
-NOT_COMPARED = ("resume", "run_dir")  # where the run is, not what it computes
+# What no resume can change, not even with allow_changes: the shape of the trained adapter, whose weights and
+# optimizer state the checkpoint holds (switching LoRA on or off included). A new run from the checkpoint can.
+ADAPTER_SHAPE_KEYS = ("lora.r", "lora.target_modules")
+NOT_COMPARED = ("resume", "run_dir")
+# Paths a run reads, recorded absolute in config.json so that a resume (and eval, export) from another working
+# directory finds them
+PATH_KEYS = ("model", "external.path", "task.train_file", "task.test_file")  # where the run is, not what it computes
 CONFIG = "config.json"
 
 
@@ -70,6 +79,19 @@ def run_changing(changes: dict[str, list[Any]], requested: dict[str, Any]) -> di
     return {k: v for k, v in changes.items() if not safe(k, *v)}
 
 
+def with_absolute_paths(config: dict[str, Any]) -> dict[str, Any]:
+    """`config` with every `PATH_KEYS` value that names an existing file or directory made absolute."""
+    out = json.loads(json.dumps(config, default=str))
+    for key in PATH_KEYS:
+        *parents, leaf = key.split(".")
+        node = out
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and isinstance(node.get(leaf), str) and Path(node[leaf]).expanduser().exists():
+            node[leaf] = str(Path(node[leaf]).expanduser().resolve())
+    return out
+
+
 def read_run_config(run_dir: str | Path) -> dict[str, Any] | None:
     """A run directory's config.json, or None where the run has none (it stopped before writing it). `resume`
     given a checkpoint or a file is a named error."""
@@ -96,6 +118,7 @@ def decide_resume(run_dir: str | Path, requested: dict[str, Any], allow_changes:
     first run-changing change when it is not allowed."""
     saved = read_run_config(run_dir)
     changes = {} if saved is None else config_changes(saved, requested)
+    refuse_adapter_reshape(run_dir, changes, saved or {})
     changing = run_changing(changes, requested)
     if changing and not allow_changes:
         key, (old, new) = next(iter(changing.items()))
@@ -105,6 +128,26 @@ def decide_resume(run_dir: str | Path, requested: dict[str, Any], allow_changes:
         raise ConfigError(f"resume: {key} was {old!r} in this run; {new!r} {why}. Add allow_changes=true to "
                           f"change {sorted(changing)} anyway (recorded in {Path(run_dir) / 'changes.jsonl'})")
     return {"changes": changes, "run_changing": changing}
+
+
+def refuse_adapter_reshape(run_dir: str | Path, changes: dict[str, list[Any]], saved: dict[str, Any]) -> None:
+    """A named error, before anything loads, for a change of the adapter's shape (`ADAPTER_SHAPE_KEYS`) in a run
+    that has or gets an adapter; it says how to start a new run from the checkpoint instead."""
+    from dllm_rl.checkpoint import latest_checkpoint
+
+    lora_r = changes.get("lora.r", [flatten(saved).get("lora.r")] * 2)
+    if not any(isinstance(r, int) and r > 0 for r in lora_r):
+        return
+    for key in [k for k in ADAPTER_SHAPE_KEYS if k in changes]:
+        old, new = changes[key]
+        what = ("switches LoRA off" if key == "lora.r" and not new else "switches LoRA on" if key == "lora.r" and not old
+                else "changes the adapter's shape")
+        checkpoint = latest_checkpoint(run_dir) or Path(run_dir) / "checkpoints" / "step_NNNNNN"
+        raise ConfigError(f"resume: {key} was {old!r} in this run; {new!r} {what}, and the checkpoint holds the "
+                          f"trained weights and optimizer state of the old one, which no resume can reshape (not even "
+                          f"with allow_changes=true). Start a new run from the checkpoint instead: dllm-rl train "
+                          f"model={checkpoint} {key}={new} run_dir=<a new directory> (a LoRA checkpoint loads as its "
+                          f"base with the adapter merged; lora.r=0 trains all of it, lora.r>0 a fresh adapter on top)")
 
 
 def write_run_config(run_dir: str | Path, config: dict[str, Any]) -> None:

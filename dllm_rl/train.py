@@ -61,7 +61,7 @@ from dllm_rl.policy.adapters import check_cache_kind, hidden_size_of, load_polic
 from dllm_rl.policy.lora import AdapterOff, add_adapters, enable_gradient_checkpointing, trainable_parameters
 from dllm_rl.precision import resolve_bf16
 from dllm_rl.seeds import derive_seed
-from dllm_rl.resume import decide_resume, read_run_config, record_resume, write_run_config
+from dllm_rl.resume import decide_resume, read_run_config, record_resume, with_absolute_paths, write_run_config
 from dllm_rl.rollout.generate import TextGenerator
 from dllm_rl.stages import (ExternalRollouts, HeldOut, InProcessRollouts, Learner, PromptSource,
                             SamplerCorrectionStage, StepBatch, assign_advantages, inference, sample_rows, score_old_and_reference, step_metrics, verify)
@@ -138,7 +138,7 @@ def load_learner(cfg: TrainConfig, world: World, ds_options: dict[str, Any], che
             reference_net = load_policy(str(source), kind=policy.kind, device=place,
                                         trust_remote_code=cfg.trust_remote_code)[0].model
     roll_call("the end of model loading")  # before the engine's collectives
-    net = policy.model.train()
+    net = policy.model.train().requires_grad_(True)  # a merged LoRA checkpoint comes frozen from peft
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(net)
     if lora:
@@ -201,6 +201,7 @@ def setup(task: Task, cfg: TrainConfig, print_fn, saved_config: dict | None, all
     """Check the config, join the process group, load the models and build the stages (or restore them)."""
     if saved_config is None:
         saved_config = run_record(cfg, task, read_run_config(cfg.resume) if cfg.resume else None)
+    saved_config = with_absolute_paths(saved_config)  # a resume from another directory finds them
     resumed = decide_resume(cfg.resume, saved_config, allow_changes) if cfg.resume else None
     advantage, loss_options = split_algo(cfg.algo)
     estimator = build_estimator(cfg.likelihood)

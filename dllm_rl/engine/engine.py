@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from typing import Any
 import torch
 
 from dllm_rl.engine.dist import World, any_rank, barrier
+from dllm_rl.policy.lora import has_adapters, record_base
 
 CHECKPOINT_TAG = "deepspeed"  # the sub-directory of a checkpoint holding DeepSpeed's (sharded) states
 
@@ -170,7 +172,11 @@ class Engine:
             self.settle()
         with gather_parameters(module, self.stage):
             if self.world.is_main:
-                module.save_pretrained(directory)
+                with warnings.catch_warnings():  # an adapter on top of an adapter directory (no config.json)
+                    warnings.filterwarnings("ignore", message="Could not find a config file in")
+                    module.save_pretrained(directory)
+                if has_adapters(module):
+                    record_base(directory, module)
                 if tokenizer is not None:
                     tokenizer.save_pretrained(directory)
         barrier(self.world)

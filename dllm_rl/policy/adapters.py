@@ -175,7 +175,13 @@ def resolve_mask_id(config, tokenizer, kind: str) -> int:
 
 
 def read_config(path: str, key: str = "model") -> dict[str, Any]:
-    """A model directory's config.json as plain JSON (no code runs); a named error where it is missing or bad."""
+    """A model directory's config.json as plain JSON (no code runs); a named error where it is missing or bad.
+    A LoRA adapter directory's config is its base model's."""
+    from dllm_rl.policy.lora import adapter_base
+
+    base = adapter_base(path, key)
+    if base is not None:
+        return read_config(base, key)
     file = Path(path).expanduser() / "config.json"
     require(file.is_file(), f"{key}={path!r}: no config.json there (expected a Hugging Face model directory)")
     try:
@@ -197,9 +203,7 @@ def detect_kind(config: dict[str, Any]) -> str:
 
 def kind_of(path: str) -> str:
     """The adapter a model directory needs, from its config.json (an adapter directory's: its base's)."""
-    from dllm_rl.policy.lora import adapter_base
-
-    return detect_kind(read_config(adapter_base(path) or path))
+    return detect_kind(read_config(path))
 
 
 def require_consent(path: str, kind: str, trust_remote_code: bool, key: str = "model") -> None:
@@ -232,7 +236,8 @@ def hidden_size_of(path: str) -> int | None:
     missing."""
     from dllm_rl.policy.lora import adapter_base
 
-    path = adapter_base(path) or path
+    while (base := adapter_base(path)) is not None:  # an adapter's base (which may itself be an adapter's)
+        path = base
     if not (Path(path).expanduser() / "config.json").is_file():
         return None
     config = read_config(path)

@@ -9,8 +9,10 @@ so no second copy of the model is loaded. Here:
 - the reference (`algo.beta > 0`) is `AdapterOff(network)`: the policy's own network called with the adapter
   disabled. Syncing the reference (`ref_sync_every`) would need a second copy, so it is refused with LoRA;
 - a checkpoint saves the adapter only (`adapter_config.json`, `adapter_model.safetensors`, naming the base
-  model's directory); `load_policy` loads such a directory as base + adapter, and `dllm-rl export` merges it
-  into a plain `from_pretrained` directory;
+  model's directory by its absolute path, and `base_model.json`, the base's identity: a different model at
+  that path is a named error); `load_policy` loads such a directory as base + adapter from any working
+  directory, and `dllm-rl export` merges it into a plain `from_pretrained` directory; `train model=<adapter
+  directory>` starts a new run from the merged model (fully, or with a fresh adapter on top of it);
 - `gradient_checkpointing=true` recomputes each block's activations in the backward pass, through LLaDA's own
   strategy (`whole_layer`) for LLaDA, and otherwise transformers' own switch (`activation_checkpointing_enable`, formerly `gradient_checkpointing_enable`); a model that does not support it is a named
   error.
@@ -18,6 +20,7 @@ so no second copy of the model is loaded. Here:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 import warnings
@@ -31,6 +34,7 @@ from dllm_rl.errors import ConfigError, check_kwargs, check_ranges, require
 
 LORA_DEFAULTS: dict[str, Any] = {"r": 0, "alpha": 16.0, "dropout": 0.0, "target_modules": "all-linear"}
 ADAPTER_CONFIG = "adapter_config.json"
+BASE_RECORD = "base_model.json"  # the base model's absolute path and identity (`record_base`)
 
 
 def check_lora(options: dict[str, Any]) -> dict[str, Any]:
@@ -56,9 +60,11 @@ def add_adapters(network: nn.Module, options: dict[str, Any], base_path: str, se
 
     targets = options["target_modules"]
     check_targets(network, targets, options["r"])
+    base = str(Path(base_path).expanduser().resolve())
     config = LoraConfig(r=options["r"], lora_alpha=options["alpha"], lora_dropout=options["dropout"],
                         target_modules=targets if targets == "all-linear" else list(targets), bias="none",
-                        base_model_name_or_path=str(Path(base_path).expanduser().resolve()))
+                        base_model_name_or_path=base)
+    network.name_or_path = base  # what peft records as the base (it would take the path as typed)
     try:
         gpus = sorted({p.device.index for p in network.parameters() if p.device.type == "cuda"})
         with torch.random.fork_rng(devices=gpus), warnings.catch_warnings():
@@ -139,26 +145,68 @@ def enable_gradient_checkpointing(network: nn.Module) -> None:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def adapter_base(path: str | Path) -> str | None:
-    """The base model directory an adapter directory names, or None when `path` holds no adapter."""
+def base_identity(base: str | Path) -> dict[str, Any]:
+    """What tells one base model directory from another without reading its weights: the sha256 of its
+    config.json (an adapter directory's adapter_config.json, for an adapter trained on top of one) and the names
+    and sizes of its weight files."""
+    base = Path(base).expanduser()
+    config = next((base / n for n in ("config.json", ADAPTER_CONFIG) if (base / n).is_file()), None)
+    weights = sorted(p for p in base.iterdir() if p.name.endswith((".safetensors", ".bin", ".safetensors.index.json")))
+    return {"config_sha256": hashlib.sha256(config.read_bytes()).hexdigest() if config else None,
+            "weights": {p.name: p.stat().st_size for p in weights}}
+
+
+def record_base(directory: str | Path, network: nn.Module) -> None:
+    """Beside a saved adapter, `base_model.json`: its base model's absolute path and identity, so that the adapter
+    finds its base from any working directory and a different model at that path is named, not merged."""
+    peft_model = getattr(network, "module", network)
+    base = next(iter(peft_model.peft_config.values())).base_model_name_or_path
+    record = {"path": str(Path(base).expanduser().resolve()), **base_identity(base)}
+    (Path(directory) / BASE_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def adapter_base(path: str | Path, key: str = "model") -> str | None:
+    """The base model directory an adapter directory names, or None when `path` holds no adapter. The base
+    must be where the adapter says (an absolute path), and the model it was trained on (`base_model.json`)."""
     file = Path(path).expanduser() / ADAPTER_CONFIG
     if not file.is_file():
         return None
     try:
         base = json.loads(file.read_text()).get("base_model_name_or_path")
     except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as error:
-        raise ConfigError(f"model={str(path)!r}: {file} is not an adapter config ({error})") from None
+        raise ConfigError(f"{key}={str(path)!r}: {file} is not an adapter config ({error})") from None
+    where = ("" if isinstance(base, str) and Path(base).is_absolute() else
+             " (a path relative to the directory its run started in: run this command from there)")
     require(isinstance(base, str) and Path(base).expanduser().is_dir(),
-            f"model={str(path)!r} holds a LoRA adapter for the base model {base!r}, which is not a local directory "
-            f"here; export the checkpoint with dllm-rl export on the machine that has the base model")
+            f"{key}={str(path)!r} holds a LoRA adapter for the base model {base!r}, which is not a directory here"
+            f"{where}; put that model there (a link will do), or export the checkpoint with dllm-rl export on the "
+            f"machine that has it")
+    record = Path(path).expanduser() / BASE_RECORD
+    if record.is_file():
+        try:
+            expected = {k: v for k, v in json.loads(record.read_text()).items() if k != "path"}
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as error:
+            raise ConfigError(f"{key}={str(path)!r}: {record} is damaged ({error})") from None
+        found = base_identity(base)
+        differs = [k for k in ("config_sha256", "weights") if found.get(k) != expected.get(k)]
+        require(not differs, f"{key}={str(path)!r}: the base model at {base} is not the one its LoRA adapter was "
+                f"trained on ({' and '.join(k.replace('_sha256', '.json') for k in differs)} differ from {record}); "
+                f"put the original base model there")
     return base
 
 
-def merged_with_adapter(network: nn.Module, path: str | Path) -> nn.Module:
-    """`network` (the base) with the adapter saved in `path` merged into its weights: a plain model again."""
+def merged_with_adapter(network: nn.Module, path: str | Path, key: str = "model") -> nn.Module:
+    """`network` (the base) with the adapter saved in `path` merged into its weights: a plain model again. A
+    missing, truncated or mismatched adapter file is a named error."""
     from peft import PeftModel
+    from safetensors import SafetensorError
 
-    return PeftModel.from_pretrained(network, str(path)).merge_and_unload()
+    try:
+        return PeftModel.from_pretrained(network, str(path)).merge_and_unload()
+    except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as error:
+        files = sorted(p.name for p in Path(path).expanduser().glob("adapter_model.*")) or ["no adapter_model file"]
+        raise ConfigError(f"{key}={str(path)!r}: cannot load its LoRA adapter ({', '.join(files)}: "
+                          f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200]})") from None
 
 
 def trainable_parameters(network: nn.Module) -> list[torch.nn.Parameter]:
