@@ -2,12 +2,13 @@
 
 A run directory (written by `dllm-rl train`) holds config.json, metrics.jsonl (one object per step, step 0 =
 the evaluation before training) and samples.jsonl (sample completions with their source). These functions
-return pandas DataFrames; plotting stays in the notebook.
+return pandas DataFrames; the figures are `dllm_rl.plots`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Iterable
 
@@ -39,8 +40,23 @@ def load_run(run_dir: str | Path, name: str | None = None) -> dict:
     }
 
 
+def resolve_run_dir(run_dir: str | Path) -> Path:
+    """A run directory given as typed: absolute, or relative to this process's working directory, or to the
+    shell's (`$PWD`): a notebook executed by `jupyter nbconvert` runs in the notebook's folder, while the user
+    typed the path from where they stand."""
+    path = Path(run_dir).expanduser()
+    if path.is_absolute():
+        return path
+    places = [Path.cwd(), *([Path(os.environ["PWD"])] if os.environ.get("PWD") else [])]
+    found = next((place / path for place in places if (place / path / "metrics.jsonl").is_file()), None)
+    require(found is not None, f"run directory {str(run_dir)!r} is not in {' nor in '.join(map(str, dict.fromkeys(places)))}"
+            f" (no metrics.jsonl there); give a path relative to where you run the command, or an absolute one")
+    return found
+
+
 def load_runs(run_dirs: Iterable[str | Path]) -> list[dict]:
-    return [load_run(d) for d in run_dirs]
+    """Each run directory (see `resolve_run_dir` for relative paths), loaded; empty entries are skipped."""
+    return [load_run(resolve_run_dir(d)) for d in run_dirs if str(d).strip()]
 
 
 def series(run: dict, key: str) -> pd.Series:

@@ -1,17 +1,27 @@
-"""notebooks/evaluate.ipynb runs on a tiny run's artefacts, and is committed without outputs."""
+"""notebooks/evaluate.ipynb runs on tiny runs' artefacts, as the README's command runs it, and is committed
+without outputs; its figures (`dllm_rl.plots`) show what there is and keep runs apart."""
 
 import json
+import os
+import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
+import matplotlib
 import nbformat
 import pytest
 from nbclient import NotebookClient
 
-from dllm_rl import analysis
+from dllm_rl import analysis, plots
 from dllm_rl.data import build_task
+from dllm_rl.errors import ConfigError
 from dllm_rl.train import train
 
-NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "evaluate.ipynb"
+matplotlib.use("Agg")
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOK = ROOT / "notebooks" / "evaluate.ipynb"
 
 
 def test_notebook_is_committed_without_outputs():
@@ -21,28 +31,91 @@ def test_notebook_is_committed_without_outputs():
     assert "parameters" in code[0].metadata.get("tags", [])
 
 
-@pytest.mark.slow
-def test_notebook_executes_on_tiny_runs(tmp_path, saved_model, monkeypatch):
+@pytest.fixture(scope="module")
+def tiny_runs(tmp_path_factory, char_tokenizer):
+    """runs/grpo and runs/erils (sampled evaluations, best-of-2), runs/greedy (greedy evaluations only)."""
+    from tests.conftest import save_tiny_dllm
+
+    root = tmp_path_factory.mktemp("notebook")
+    model = save_tiny_dllm(root / "model", char_tokenizer)
     task = build_task("sudoku")
     common = dict(rollout={"gen_length": 40, "block_length": 40, "steps": 10, "temperature": 1.0},
                   likelihood={"name": "mean_field"}, algo={"advantage": "mean"}, prompts_per_step=2, group_size=2,
-                  minibatch_size=4, steps=2, eval_every=1, eval_prompts=4, eval_samples=2, sample_every=1,
-                  tensorboard=False, print_fn=lambda *_: None)
-    runs = []
-    for name, external in (("grpo", {"name": "none"}), ("erils", {"name": "solver"})):
-        run = tmp_path / name
-        train(task, model=saved_model, run_dir=str(run), external=external, mixing={"per_prompt": 1}, **common)
-        runs.append(str(run))
+                  minibatch_size=4, steps=3, eval_every=1, eval_prompts=4, sample_every=1, tensorboard=False,
+                  print_fn=lambda *_: None)
+    for name, external, samples in (("grpo", {"name": "none"}, 2), ("erils", {"name": "solver"}, 2),
+                                    ("greedy", {"name": "none"}, 0)):
+        train(task, model=str(model), run_dir=str(root / "runs" / name), external=external, eval_samples=samples,
+              mixing={"per_prompt": 1}, **common)
+    return root
 
-    loaded = analysis.load_runs(runs)
+
+def test_analysis_tables(tiny_runs):
+    loaded = analysis.load_runs([tiny_runs / "runs" / "grpo", tiny_runs / "runs" / "erils"])
     table = analysis.summary(loaded)
     assert list(table.index) == ["grpo", "erils"] and "eval/best_of_2 end" in table.columns
     assert list(analysis.reward_by_source(loaded[1]).columns) == ["on_policy", "external"]
     assert set(analysis.last_samples(loaded[1])["source"]) == {"on_policy", "external"}
 
-    monkeypatch.setenv("DLLM_RL_RUNS", ",".join(runs))
+
+def test_relative_run_paths_are_taken_from_where_the_user_stands(tiny_runs, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the notebook's folder, say
+    monkeypatch.setenv("PWD", str(tiny_runs))  # the shell the command was typed in
+    assert analysis.resolve_run_dir("runs/grpo") == tiny_runs / "runs" / "grpo"
+    with pytest.raises(ConfigError, match=rf"run directory 'runs/nope' is not in {tmp_path} nor in {tiny_runs}"):
+        analysis.resolve_run_dir("runs/nope")
+
+
+def test_figures_show_what_there_is_with_whole_steps_and_runs_apart(tiny_runs):
+    runs = analysis.load_runs([tiny_runs / "runs" / n for n in ("grpo", "erils", "greedy")])
+    greedy_only = plots.eval_figure(runs[2:])
+    assert len(greedy_only.axes) == 1  # no empty best-of-k panel
+    both = plots.eval_figure(runs)
+    assert len(both.axes) == 2 and {line.get_label() for line in both.axes[1].lines} >= {"grpo best_of_2"}
+    no_evals = [{**runs[0], "metrics": runs[0]["metrics"].drop(columns=[c for c in runs[0]["metrics"]
+                                                                         if c.startswith("eval/")])}]
+    assert plots.eval_figure(no_evals) is None
+    for figure in (plots.reward_figure(runs), both, plots.length_figure(runs)):
+        figure.canvas.draw()
+        for ax in figure.axes:
+            ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+            assert ticks and all(float(t).is_integer() for t in ticks), ticks
+            looks = [(line.get_color(), line.get_marker(), line.get_linestyle()) for line in ax.lines]
+            assert len(set(looks)) == len(looks)  # no two curves drawn alike
+    reward = plots.reward_figure(runs).axes[0]
+    erils = [line for line in reward.lines if line.get_label().startswith("erils")]
+    assert {line.get_linestyle() for line in erils} == {"-", "--"}  # on-policy solid, external dashed
+
+
+def readme_notebook_command() -> str:
+    match = re.search(r"`(DLLM_RL_RUNS=\S+ jupyter nbconvert [^`]+)`", (ROOT / "README.md").read_text())
+    assert match, "the README names no notebook command"
+    return match.group(1)
+
+
+@pytest.mark.slow
+def test_the_readme_notebook_command_runs_as_written(tiny_runs):
+    """From a folder holding notebooks/ and the runs the command names (relative paths), with the tools the
+    `notebook` extra installs: an HTML report with the three figures."""
+    command = readme_notebook_command()
+    names = re.match(r"DLLM_RL_RUNS=(\S+) ", command).group(1).split(",")
+    where = tiny_runs / "user"
+    (where / "notebooks").mkdir(parents=True)
+    shutil.copy(NOTEBOOK, where / "notebooks")
+    for name, run in zip(names, ("grpo", "erils")):
+        shutil.copytree(tiny_runs / "runs" / run, where / name)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PWD": str(where)}
+    result = subprocess.run(["bash", "-c", command], cwd=where, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    html = (where / "notebooks" / "evaluate.html").read_text()
+    assert html.count("image/png") >= 3 and "external" in html and "Traceback" not in html
+
+
+@pytest.mark.slow
+def test_notebook_executes_on_tiny_runs(tiny_runs, monkeypatch):
+    monkeypatch.setenv("DLLM_RL_RUNS", ",".join(str(tiny_runs / "runs" / n) for n in ("grpo", "erils", "greedy")))
     nb = nbformat.read(NOTEBOOK, as_version=4)
-    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tiny_runs)}}).execute()
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     text = json.dumps([o.get("data", {}).get("text/plain", o.get("text", "")) for o in outputs])
