@@ -233,35 +233,79 @@ def to_plain(cfg: DictConfig) -> dict[str, Any]:
 def usage() -> str:
     lines = ["usage: dllm-rl <command> [key=value ...] [--cfg] [--help]", "", "commands:"]
     lines += [f"  {name:10s} {doc}" for name, (doc, _, _) in COMMANDS.items()]
-    lines += ["", "Overrides use Hydra's grammar: group=option, key=value, +new.key=value, ~key."]
+    lines += ["", "Overrides use Hydra's grammar: group=option, key=value, +new.key=value, ~key.",
+              "dllm-rl <command> --help lists the command's config groups and keys; --version prints the version."]
     return "\n".join(lines)
 
 
+_TOP_KEY = re.compile(r"^([A-Za-z_][\w]*):\s*(.*?)\s*(?:#\s*(.*))?$")
+_DEFAULT = re.compile(r"^\s+-\s+(?:override\s+/)?([\w/]+):\s*(\S+)\s*(?:#\s*(.*))?$")
+
+
+def yaml_outline(file: Path) -> tuple[list[tuple[str, str, str]], list[tuple[str, str, str]]]:
+    """(the config groups of a command's config file as (group, default option, comment), its top-level keys as
+    (key, default value, comment)), read from the file's own lines and comments."""
+    groups, keys = [], []
+    for line in file.read_text().splitlines():
+        default = _DEFAULT.match(line)
+        if default and default.group(1) != "_self_":
+            groups.append((default.group(1), default.group(2), default.group(3) or ""))
+            continue
+        key = _TOP_KEY.match(line)
+        if key and key.group(1) != "defaults":
+            keys.append((key.group(1), key.group(2) or "(a group of keys)", key.group(3) or ""))
+    return groups, keys
+
+
 def command_help(name: str) -> str:
+    """What `dllm-rl <name> --help` prints: the command, its config file, every config group it uses with its
+    default and options, and every top-level key with its default and the config's own comment."""
     doc, config_name, _ = COMMANDS[name]
-    groups = sorted(p.name for p in config_dir().iterdir() if p.is_dir())
-    options = {g: sorted(f.stem for f in (config_dir() / g).glob("*.yaml")) for g in groups}
-    lines = [f"dllm-rl {name}: {doc}", f"config: {config_dir() / (config_name + '.yaml')}", "config groups:"]
-    lines += [f"  {g}: {' | '.join(opts)}" for g, opts in options.items()]
+    file = config_dir() / f"{config_name}.yaml"
+    groups, keys = yaml_outline(file)
+    lines = [f"dllm-rl {name}: {doc}", f"config: {file}", "", "config groups (group=option):"]
+    group_width = max((len(g) + len(d) for g, d, _ in groups), default=0) + 1
+    for group, default, comment in groups:
+        options = " | ".join(sorted(f.stem for f in (config_dir() / group).glob("*.yaml")))
+        lines.append(f"  {f'{group}={default}':<{group_width}s}  {comment}".rstrip())
+        lines.append(f"  {'':<{group_width}s}  options: {options}")
+    width = max((len(k) + len(v) for k, v, _ in keys), default=0) + 1
+    lines += ["", "keys (key=value; a group's own keys as group.key=value, see --cfg):"]
+    lines += [f"  {f'{key}={value}':<{width}s}  {comment}".rstrip() for key, value, comment in keys]
     lines += ["", "Print the resolved config with --cfg."]
     return "\n".join(lines)
 
 
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError, version as installed
+
+    try:
+        return installed("dllm-rl")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = strip_launcher_args(list(sys.argv[1:] if argv is None else argv))
-    if not args or args[0] in ("-h", "--help"):
+    if not args:  # a command is needed: the list of them, as an error
+        print(usage(), file=sys.stderr)
+        return 2
+    if args[0] in ("-h", "--help"):
         print(usage())
+        return 0
+    if args[0] == "--version":
+        print(f"dllm-rl {version()}")
         return 0
     try:
         doc, config_name, runner = pick(COMMANDS, args[0], "command")
-        flags = {a for a in args[1:] if a.startswith("--")}
+        flags = {a for a in args[1:] if a.startswith("-") and "=" not in a}
         unknown = flags - {"--cfg", "--help", "-h"}
         if unknown:
-            raise ConfigError(f"unknown flag(s) {sorted(unknown)}; expected --cfg or --help")
-        if "--help" in flags:
+            raise ConfigError(f"unknown flag(s) {sorted(unknown)}; expected --cfg, --help or -h")
+        if flags & {"--help", "-h"}:
             print(command_help(args[0]))
             return 0
-        overrides = [a for a in args[1:] if not a.startswith("--")]
+        overrides = [a for a in args[1:] if a not in flags]
         resume = [o.split("=", 1)[1] for o in overrides if o.startswith("resume=")]
         allowed = False
         if resume and resume[-1] not in ("", "null") and args[0] == "train":

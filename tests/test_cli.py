@@ -171,3 +171,32 @@ def test_file_splits_are_said_and_checked_before_loading(saved_dllm, fixtures, t
     err = capsys.readouterr().err
     assert "gsm8k: there is no test split: only task.train_file is set" in err and "eval_every=0" in err, err
     assert not run.exists()
+
+
+@pytest.mark.parametrize("command", ["tasks", "generate", "eval", "sft", "train", "export"])
+def test_help_lists_every_group_and_top_level_key_with_its_comment(command, capsys):
+    from dllm_rl.cli import COMMANDS, compose_config, config_dir, yaml_outline
+
+    for flag in ("--help", "-h"):
+        assert cli.main([command, flag]) == 0
+        text = capsys.readouterr().out
+        composed = compose_config(COMMANDS[command][1], [])
+        groups, keys = yaml_outline(config_dir() / f"{COMMANDS[command][1]}.yaml")
+        assert {k for k, _, _ in keys} | {g for g, _, _ in groups} >= set(composed.keys())  # nothing unlisted
+        for key, default, comment in keys:
+            line = next(x for x in text.splitlines() if x.strip().startswith(f"{key}="))
+            assert comment in line and default in line, (key, line)
+        for group, default, _ in groups:
+            assert f"{group}={default}" in text
+            options = sorted(f.stem for f in (config_dir() / group).glob("*.yaml"))
+            assert f"options: {' | '.join(options)}" in text
+
+
+def test_version_and_bare_command(capsys):
+    from importlib.metadata import version
+
+    assert cli.main(["--version"]) == 0 and capsys.readouterr().out.strip() == f"dllm-rl {version('dllm-rl')}"
+    assert cli.main([]) == 2
+    err = capsys.readouterr().err
+    assert all(name in err for name in ("tasks", "generate", "eval", "sft", "train", "export"))
+    assert cli.main(["train", "--nope"]) == 2 and "unknown flag(s) ['--nope']" in capsys.readouterr().err
