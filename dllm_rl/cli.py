@@ -276,6 +276,27 @@ def command_help(name: str) -> str:
     return "\n".join(lines)
 
 
+def quiet_libraries() -> None:
+    """Third-party noise a command-line user cannot act on, silenced once for the process: transformers' and
+    datasets' per-load progress bars and info lines, and the FutureWarning torch raises on every rank each time
+    DeepSpeed calls its renamed `all_gather_into_tensor`. Warnings and errors still show."""
+    import warnings
+
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor` is deprecated", category=FutureWarning)
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    transformers_logging.set_verbosity_warning()
+    try:
+        import datasets
+
+        datasets.disable_progress_bars()
+        datasets.logging.set_verbosity_warning()
+    except ImportError:
+        pass
+
+
 def version() -> str:
     from importlib.metadata import PackageNotFoundError, version as installed
 
@@ -298,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         doc, config_name, runner = pick(COMMANDS, args[0], "command")
+        quiet_libraries()
         flags = {a for a in args[1:] if a.startswith("-") and "=" not in a}
         unknown = flags - {"--cfg", "--help", "-h"}
         if unknown:

@@ -65,7 +65,7 @@ from dllm_rl.resume import decide_resume, read_run_config, record_resume, with_a
 from dllm_rl.rollout.generate import TextGenerator
 from dllm_rl.stages import (ExternalRollouts, HeldOut, InProcessRollouts, Learner, PromptSource,
                             SamplerCorrectionStage, StepBatch, assign_advantages, inference, sample_rows, score_old_and_reference, step_metrics, verify)
-from dllm_rl.tracking import NullTracker, PhaseTimer, Tracker, console_line
+from dllm_rl.tracking import NullTracker, PhaseTimer, Tracker, console_line, run_header
 from dllm_rl.train_config import TrainConfig, engine_options, split_algo
 
 def writable_directory(path: Path) -> None:
@@ -212,7 +212,8 @@ def setup(task: Task, cfg: TrainConfig, print_fn, saved_config: dict | None, all
     torch.manual_seed(derive_seed(cfg.seed, "global", world.rank))  # dropout's draws (`train` forks the state)
     check_model_files(cfg)
     device = default_device()  # this rank's GPU (LOCAL_RANK) where there is one: every stage's tensors go there
-    autocast = autocast_on(device, resolve_bf16(cfg.bf16, device))
+    autocast_enabled = resolve_bf16(cfg.bf16, device)
+    autocast = autocast_on(device, autocast_enabled)
     mixer = build_mixer(cfg.external, cfg.mixing, estimator, device=device)
     if mixer is not None:
         loss_options["shaping_gamma"] = mixer.config.shaping_gamma
@@ -230,7 +231,6 @@ def setup(task: Task, cfg: TrainConfig, print_fn, saved_config: dict | None, all
     state = {"step": 0, "data_position": 0, "bad_steps": 0, "external_baseline": 0.0}
     if checkpoint is not None:
         state = {**state, **load_trainer_state(checkpoint, learned.engine, learned.scheduler)}
-        print_fn(f"resumed from {checkpoint} at step {state['step']}")
     resumed_at = state["step"] if checkpoint is not None else (-1 if restart else None)  # logs are cut back to it
     tracker = Tracker(run_dir, cfg.tensorboard, resume_step=resumed_at) if world.is_main else NullTracker()
     if world.is_main:  # the run's effective config: a change made at a resume lasts for the next one
@@ -240,6 +240,8 @@ def setup(task: Task, cfg: TrainConfig, print_fn, saved_config: dict | None, all
             record_resume(run_dir, saved_config, resumed)
     if mixer is not None:
         mixer.baseline = state["external_baseline"]
+    start = f"resumed from {checkpoint} at step {state['step']}" if checkpoint is not None else "a new run"
+    print_fn(run_header(run_dir, world.size, device, cfg.bf16, autocast_enabled, saved_config, start))
     return build_stages(task, cfg, dp, run_dir, tracker, learned, state, estimator, mixer, advantage, loss_options,
                         autocast, print_fn)
 
@@ -411,15 +413,20 @@ def progress_bar(run: Run) -> tqdm:
 
 
 def run_summary(run_dir: Path, window: int = 10) -> str:
-    """The closing lines of a run: training reward early against late, held-out accuracy before and after."""
+    """The closing lines of a run: training reward early against late (the first and last `window` steps, or
+    the two halves of a shorter run), held-out accuracy before and after."""
     from dllm_rl.analysis import eval_table, load_run, series
 
     run = load_run(run_dir)
     reward, evals = series(run, "reward/on_policy"), eval_table(run)
-    lines = [f"run {run_dir}: {int(run['metrics']['step'].max())} steps"]
-    if len(reward):
-        lines.append(f"  on-policy training reward: {reward.iloc[:window].mean():.3f} (first {min(window, len(reward))} "
-                     f"steps) -> {reward.iloc[-window:].mean():.3f} (last {min(window, len(reward))})")
+    steps = int(run["metrics"]["step"].max())
+    lines = [f"run {run_dir}: {steps} step{'s' if steps != 1 else ''}"]
+    if len(reward) == 1:
+        lines.append(f"  on-policy training reward: {reward.iloc[0]:.3f} (1 step)")
+    elif len(reward):
+        n = min(window, len(reward) // 2)  # never the same steps on both sides
+        lines.append(f"  on-policy training reward: {reward.iloc[:n].mean():.3f} ({steps_named('first', n)}) -> "
+                     f"{reward.iloc[-n:].mean():.3f} ({steps_named('last', n)})")
     external = series(run, "reward/external")
     if len(external):
         lines.append(f"  external rows per step: {series(run, 'external/rows').mean():.1f}, "
@@ -428,3 +435,7 @@ def run_summary(run_dir: Path, window: int = 10) -> str:
         values = " -> ".join(f"{v:.3f}" for v in evals[key])
         lines.append(f"  held-out {key[5:]} at steps {', '.join(map(str, evals['step']))}: {values}")
     return "\n".join(lines)
+
+
+def steps_named(which: str, n: int) -> str:
+    return f"{which} step" if n == 1 else f"{which} {n} steps"

@@ -62,3 +62,10 @@ def test_main_job_runs_with_no_arguments_but_a_budget(tmp_path, capsys):
     lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [l["step"] for l in lines] == [1, 2]
     assert (tmp_path / "checkpoints" / "latest").is_file()
+    out, err = capsys.readouterr()
+    header = out[:out.index("step 1/2")]  # what the run says before its progress
+    assert f"run {tmp_path} (a new run)" in header and "  device: cpu, 1 process" in header
+    assert "  precision: " in header and "bf16=auto: this device" in header
+    assert "    model: " in header and "    group_size: 6" in header  # the whole config
+    assert "Loading weights" not in err and "FutureWarning" not in err  # third-party noise silenced
+    assert f"run {tmp_path}: 2 steps" in out and "(first step) ->" in out and "(last step)" in out

@@ -265,3 +265,19 @@ def test_a_new_run_never_appends_to_an_old_one(saved_model, tmp_path):
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1]
     train(DigitShare(), model=saved_model, resume=str(run), steps=2, checkpoint_every=0, **SMALL)
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+@pytest.mark.parametrize("steps, reward_line", [
+    (1, "on-policy training reward: 0.100 (1 step)"),
+    (3, "on-policy training reward: 0.100 (first step) -> 0.300 (last step)"),
+    (7, "on-policy training reward: 0.200 (first 3 steps) -> 0.600 (last 3 steps)"),
+    (30, "on-policy training reward: 0.550 (first 10 steps) -> 2.550 (last 10 steps)"),
+])
+def test_the_summary_compares_steps_that_do_not_overlap(tmp_path, steps, reward_line):
+    from dllm_rl.train import run_summary
+
+    (tmp_path / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "reward/on_policy": s / 10}) + "\n" for s in range(1, steps + 1)))
+    text = run_summary(tmp_path)
+    assert text.splitlines()[0] == f"run {tmp_path}: {steps} step{'s' if steps > 1 else ''}"
+    assert reward_line in text
