@@ -216,6 +216,21 @@ def consent_given(cfg: DictConfig, overrides: list[str]) -> None:
             OmegaConf.update(cfg, key, env in ("1", "true"))
 
 
+PACKAGE_PATH_KEYS = ("model", "external.path")  # keys whose defaults name the embedded models (models/...)
+
+
+def from_the_package(cfg: DictConfig) -> None:
+    """A relative model path that is not there from the working directory but is in the repository beside the
+    package (the defaults `models/tiny-dllm`, `models/tiny-ar`) is taken from there, so the commands' defaults
+    work from any directory."""
+    root = config_dir().parent
+    for key in PACKAGE_PATH_KEYS:
+        value = OmegaConf.select(cfg, key, default=None)
+        if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
+            if not Path(value).exists() and (root / value).is_dir():
+                OmegaConf.update(cfg, key, str(root / value))
+
+
 def yaml_value(text: str) -> Any:
     return OmegaConf.create({"v": text}).v if text == "" else OmegaConf.create(f"v: {text}").v
 
@@ -335,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             cfg = compose_config(config_name, overrides)
         consent_given(cfg, overrides)
+        from_the_package(cfg)
         if "--cfg" in flags:
             print(OmegaConf.to_yaml(cfg, resolve=True), end="")
             return 0

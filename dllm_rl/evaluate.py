@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 
 from tqdm import tqdm
 
-from dllm_rl.data.task import Task, render_prompt
+from dllm_rl.data.task import Task, draw_examples, render_prompt
 from dllm_rl.errors import check_ranges, require
 from dllm_rl.seeds import derive_seed
 
@@ -65,6 +65,7 @@ def evaluate_task(
     batch_size: int = 32,
     seed: int = 0,
     split: str = "test",
+    prompts_key: str = "num_prompts",
     tokenizer=None,
     source: str = "",
     print_fn=print,
@@ -72,7 +73,7 @@ def evaluate_task(
     """Score `num_samples` completions for `num_prompts` prompts of `task`; returns (summary, records)."""
     require(num_samples > 0, f"num_samples must be positive, got {num_samples}")
     require(batch_size > 0, f"batch_size must be positive, got {batch_size}")
-    examples = task.examples(split, num_prompts, seed)
+    examples = draw_examples(task, split, num_prompts, seed, prompts_key)
     jobs = [(i, j) for i in range(len(examples)) for j in range(num_samples)]
     records: list[dict[str, Any]] = []
     start = time.perf_counter()

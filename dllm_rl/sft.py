@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from dllm_rl.data.task import Task, render_completion, render_prompt
+from dllm_rl.data.task import Task, draw_examples, render_completion, render_prompt
 from dllm_rl.errors import ConfigError, check_ranges, require
 from dllm_rl.optim import lr_factor
 from dllm_rl.policy.adapters import DiffusionPolicy
@@ -42,7 +42,7 @@ def solver_examples(task: Task, n: int, seed: int, with_steps: bool = True, toke
     the prompt's order); more prompts are then drawn, up to 8n, and the number declined is reported."""
     out, drawn, size = [], 0, n
     while True:
-        for ex in task.examples("train", size, seed)[drawn:]:   # a longer list starts with the shorter one
+        for ex in draw_examples(task, "train", size, seed, "examples")[drawn:]:   # a longer list starts with the shorter one
             drawn += 1
             solution = task.solve(ex)
             if solution is None:

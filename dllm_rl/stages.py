@@ -40,7 +40,7 @@ from dllm_rl.algo.advantages import compute_advantages
 from dllm_rl.algo.correction import SamplerCorrection, correction_weights, rollout_log_ratio
 from dllm_rl.algo.losses import aggregation_units, grpo_loss
 from dllm_rl.buffer import Rows, loss_inputs
-from dllm_rl.data.task import Example, Task, render_prompt
+from dllm_rl.data.task import Example, Task, TooFewExamples, draw_examples, render_prompt
 from dllm_rl.data_parallel import DataParallel
 from dllm_rl.engine import Engine
 from dllm_rl.errors import RunStopped, require
@@ -77,13 +77,17 @@ class StepBatch:
 
 
 class PromptSource:
-    """The step's prompts: the train split's first `pool` examples in a fresh seeded order every epoch, and this
-    rank's whole groups of them. `position` (prompts consumed) is all its state (saved with checkpoints)."""
+    """The step's prompts: the train split's first `pool` examples (all of a smaller split) in a fresh seeded
+    order every epoch, and this rank's whole groups of them. `position` (prompts consumed) is all its state (saved with checkpoints)."""
 
     def __init__(self, task: Task, tokenizer, dp: DataParallel, per_step: int, pool: int, seed: int,
                  position: int = 0):
-        self.examples = task.examples("train", pool, seed)
-        require(self.examples, "the task's train split is empty")
+        try:
+            self.examples = task.examples("train", pool, seed)
+        except TooFewExamples as error:  # a small train file: all of it
+            self.examples = draw_examples(task, "train", error.available, seed, "train_pool")
+        require(self.examples, f"the train split of {task.name!r} is empty (a task file's problems that are also "
+                f"in its test file are dropped from training)")
         self.task, self.tokenizer, self.dp, self.per_step = task, tokenizer, dp, per_step
         self.seed, self.position = seed, position
 
@@ -384,7 +388,7 @@ class HeldOut:
     inference: Callable[[], ContextManager]
 
     def __call__(self) -> dict[str, float]:
-        common = dict(num_prompts=self.prompts, batch_size=64, seed=self.seed, tokenizer=self.tokenizer,
+        common = dict(num_prompts=self.prompts, prompts_key="eval_prompts", batch_size=64, seed=self.seed, tokenizer=self.tokenizer,
                       print_fn=lambda *_: None)
         with self.inference():
             summary, _ = evaluate_task(self.greedy, self.task, **common)

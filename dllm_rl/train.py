@@ -57,7 +57,7 @@ from dllm_rl.errors import ConfigError, Interrupted, require
 from dllm_rl.external.mixer import build_mixer
 from dllm_rl.likelihood.estimators import build_estimator
 from dllm_rl.optim import lr_factor
-from dllm_rl.policy.adapters import check_cache_kind, hidden_size_of, load_policy
+from dllm_rl.policy.adapters import MODEL_TYPES, check_cache_kind, hidden_size_of, load_policy, read_config
 from dllm_rl.policy.lora import AdapterOff, add_adapters, enable_gradient_checkpointing, trainable_parameters
 from dllm_rl.precision import resolve_bf16
 from dllm_rl.seeds import derive_seed
@@ -185,6 +185,10 @@ def check_model_files(cfg: TrainConfig) -> None:
     valid, a width of the right type (the DeepSpeed config is sized by it), and a block cache only for a model
     whose code has one."""
     require(Path(cfg.model).expanduser().is_dir(), f"model path {cfg.model!r}: expected a local model directory")
+    model_type = str(read_config(cfg.model).get("model_type", "")).lower()
+    require(model_type in MODEL_TYPES, f"model={cfg.model!r} is not a masked-diffusion model (model_type "
+            f"{model_type!r}); train trains a dLLM (native, LLaDA, Dream). A causal LM takes part as the external "
+            f"policy: external=causal_lm external.path={cfg.model}")
     hidden_size_of(cfg.model)
     check_cache_kind(cfg.model, cfg.sampler["cache"])
 

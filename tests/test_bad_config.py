@@ -1,7 +1,11 @@
 """Every command, fed bad values: each ends with a named error (exit status 2, the key or value named, what is
 expected) before anything is trained, and never with a traceback."""
 
+import json
+from pathlib import Path
+
 import pytest
+import yaml
 
 from dllm_rl import cli
 
@@ -133,3 +137,51 @@ def test_a_bad_value_is_a_named_error(command, overrides, message, saved_model, 
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.startswith("error: ") and message in err, err
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_errors_name_the_key_the_user_sets(tmp_path, capsys, monkeypatch):
+    """A short test file names num_prompts (or eval_prompts under train), a causal LM given to train says how it
+    takes part, a run directory given as a model points at its newest checkpoint."""
+    short = tmp_path / "short.jsonl"
+    short.write_text("".join(json.dumps({"question": f"{i}+1?", "answer": f"#### {i + 1}"}) + "\n" for i in range(3)))
+    train_file = tmp_path / "train.jsonl"  # two problems: train_pool=5000 takes both
+    train_file.write_text("".join(json.dumps({"question": f"{i}*2?", "answer": f"#### {2 * i}"}) + "\n" for i in range(2)))
+    cases = [
+        (["eval", "task=gsm8k", f"task.test_file={short}", f"output_dir={tmp_path / 'e'}"],
+         "num_prompts=100: the test split of 'gsm8k' has only 3 problems; use num_prompts<=3, or num_prompts=null "
+         "for the whole split"),
+        (["train", "task=gsm8k", f"task.train_file={train_file}", f"task.test_file={short}", "eval_prompts=5",
+          f"run_dir={tmp_path / 'r'}", "external=none", "steps=1"],
+         "eval_prompts=5: the test split of 'gsm8k' has only 3 problems; use eval_prompts<=3"),
+        (["train", "model=models/tiny-ar", f"run_dir={tmp_path / 'r2'}"],
+         "model='models/tiny-ar' is not a masked-diffusion model (model_type 'qwen2'); train trains a dLLM (native, "
+         "LLaDA, Dream). A causal LM takes part as the external policy: external=causal_lm "
+         "external.path=models/tiny-ar"),
+    ]
+    for args, message in cases:
+        assert cli.main(args) == 2, args
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+
+
+def test_a_run_directory_given_as_a_model_points_at_its_checkpoint(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert cli.main(["train", f"run_dir={run}", "steps=1", "eval_every=0", "prompts_per_step=1", "group_size=2",
+                     "minibatch_size=2", "external=none", "tensorboard=false"]) == 0
+    capsys.readouterr()
+    for command in (["eval", f"output_dir={tmp_path / 'e'}"], ["generate"], ["train", f"run_dir={tmp_path / 'r'}"],
+                    ["sft", f"output_dir={tmp_path / 's'}"]):
+        assert cli.main([*command, f"model={run}"]) == 2, command
+        err = capsys.readouterr().err
+        assert (f"model='{run}' is a training run directory, not a model; give one of its checkpoints "
+                f"(model={run}/checkpoints/step_000001 is the newest)") in err, (command, err)
+
+
+def test_default_model_paths_resolve_from_the_package(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["train", "external=causal_lm", "--cfg"]) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    root = Path(cli.__file__).resolve().parents[1]
+    assert cfg["model"] == str(root / "models" / "tiny-dllm") and cfg["external"]["path"] == str(root / "models" / "tiny-ar")
+    (tmp_path / "models" / "tiny-dllm").mkdir(parents=True)  # a directory of that name here wins
+    assert cli.main(["eval", "--cfg"]) == 0 and yaml.safe_load(capsys.readouterr().out)["model"] == "models/tiny-dllm"

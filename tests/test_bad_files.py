@@ -52,7 +52,7 @@ def test_a_mask_token_the_model_cannot_use(model_copy, capsys, mask_id, message)
 
 def test_a_causal_lm_given_as_the_policy(tmp_path, capsys):
     err = run(["train", "model=models/tiny-ar", f"run_dir={tmp_path / 'run'}", "steps=1"], capsys)
-    assert "cannot tell which adapter fits model_type 'qwen2'" in err
+    assert "is not a masked-diffusion model (model_type 'qwen2')" in err and "external=causal_lm" in err
 
 
 def test_an_unwritable_run_dir(saved_model, tmp_path, capsys):

@@ -24,7 +24,8 @@ from pathlib import Path
 
 from dllm_rl.data.answers import extract_final_answer, is_formatted
 from dllm_rl.data.math_equal import math_equal
-from dllm_rl.data.task import D1_FORMAT, Example, Reward, Solution, check_common, in_test_split, score
+from dllm_rl.data.task import (D1_FORMAT, Example, Reward, Solution, TooFewExamples, check_common, in_test_split,
+                               score)
 from dllm_rl.errors import ConfigError, require
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -148,7 +149,8 @@ class FileTask:
         rows = self._split_rows(split)
         if n is None:
             return rows
-        require(n <= len(rows), f"n={n} but the {split} split of {self.name!r} has only {len(rows)} problems")
+        if n > len(rows):
+            raise TooFewExamples(split, self.name, len(rows), n)
         return random.Random(f"{self.name}|{split}|{seed}").sample(rows, n)
 
     def prompt(self, example: Example) -> str:

@@ -11,7 +11,7 @@ import time
 
 from tqdm import tqdm
 
-from dllm_rl.data.task import Solution, Task, describe_splits, render_completion, render_prompt
+from dllm_rl.data.task import Solution, Task, describe_splits, draw_examples, render_completion, render_prompt
 from dllm_rl.errors import require
 
 
@@ -24,7 +24,7 @@ def preview_tasks(task: Task, n: int = 3, split: str = "train", seed: int = 0, c
     if note:
         print_fn(note)
     start = time.perf_counter()
-    shown = task.examples(split, n, seed)
+    shown = draw_examples(task, split, n, seed, "n")
     for i, ex in enumerate(shown):
         reference = render_completion(Solution(ex.answer), task.prompt_style)
         print_fn(f"=== {task.name} [{split}] example {i} (uid {ex.uid!r})")
@@ -37,7 +37,7 @@ def preview_tasks(task: Task, n: int = 3, split: str = "train", seed: int = 0, c
     summary = {"task": task.name, "split": split, "checked": 0, "reference_ok": 0, "solver_ok": 0,
                "solver_missing": 0}
     if check:
-        examples = task.examples(split, check, seed + 1)
+        examples = draw_examples(task, split, check, seed + 1, "check")
         for ex in tqdm(examples, desc=f"checking {task.name}", unit="ex", disable=None):
             ref = task.reward(render_completion(Solution(ex.answer), task.prompt_style), ex)
             summary["reference_ok"] += ref.correct

@@ -31,6 +31,30 @@ D1_FORMAT = (
 )
 
 
+class TooFewExamples(ConfigError):
+    """A split holds fewer examples than asked; `worded(key)` says it with the key the user sets."""
+
+    def __init__(self, split: str, task: str, available: int, asked: int):
+        self.split, self.task, self.available, self.asked = split, task, available, asked
+        super().__init__(self.worded("n"))
+
+    def worded(self, key: str) -> str:
+        null = f", or {key}=null for the whole split" if key in NULLABLE_COUNTS else ""
+        return (f"{key}={self.asked}: the {self.split} split of {self.task!r} has only {self.available} problems; "
+                f"use {key}<={self.available}{null}")
+
+
+NULLABLE_COUNTS = ("num_prompts",)  # count keys where null means the whole split
+
+
+def draw_examples(task: "Task", split: str, n: int | None, seed: int, key: str) -> list["Example"]:
+    """`task.examples(split, n, seed)`, with too few examples named by `key`, the setting that asked for `n`."""
+    try:
+        return task.examples(split, n, seed)
+    except TooFewExamples as error:
+        raise ConfigError(error.worded(key)) from None
+
+
 @dataclass(frozen=True)
 class Example:
     """One problem. `answer` is the reference final answer (what belongs inside <answer> tags); `meta`

@@ -182,6 +182,7 @@ def read_config(path: str, key: str = "model") -> dict[str, Any]:
     base = adapter_base(path, key)
     if base is not None:
         return read_config(base, key)
+    require_not_a_run(path, key)
     file = Path(path).expanduser() / "config.json"
     require(file.is_file(), f"{key}={path!r}: no config.json there (expected a Hugging Face model directory)")
     try:
@@ -190,6 +191,19 @@ def read_config(path: str, key: str = "model") -> dict[str, Any]:
         raise ConfigError(f"{key}={path!r}: {file} is not valid JSON ({error})") from None
     require(isinstance(config, dict), f"{key}={path!r}: {file} holds no JSON object")
     return config
+
+
+def require_not_a_run(path: str, key: str = "model") -> None:
+    """A training run's directory (metrics.jsonl, checkpoints/) given where a model directory belongs: a named
+    error that points at its newest checkpoint, which is a model directory."""
+    from dllm_rl.checkpoint import latest_checkpoint
+
+    run = Path(path).expanduser()
+    if (run / "checkpoints").is_dir() and (run / "metrics.jsonl").is_file():
+        newest = latest_checkpoint(run)
+        which = f"{key}={newest}" if newest is not None else f"{key}={run}/checkpoints/step_NNNNNN"
+        raise ConfigError(f"{key}={path!r} is a training run directory, not a model; give one of its checkpoints "
+                          f"({which} is the newest), or export one with dllm-rl export checkpoint={path}")
 
 
 def detect_kind(config: dict[str, Any]) -> str:
