@@ -13,13 +13,14 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from dllm_rl.data.task import Task, draw_examples, render_completion, render_prompt
+from dllm_rl.data.task import Solution, Task, TooFewExamples, draw_examples, render_completion, render_prompt
 from dllm_rl.errors import ConfigError, check_ranges, require
 from dllm_rl.optim import lr_factor
 from dllm_rl.policy.adapters import DiffusionPolicy
@@ -35,16 +36,31 @@ class SFTExample:
     completion: str
 
 
+def worked_solution(task: Task, example) -> Solution | None:
+    """What SFT trains on for one problem: the task's exact solver's answer and steps, or, for a task without a
+    solver (GSM8K, MATH500 from files), the problem's reference solution split into its lines."""
+    solution = task.solve(example)
+    if solution is None and example.meta.get("solution"):
+        lines = tuple(line.strip() for line in str(example.meta["solution"]).splitlines() if line.strip())
+        solution = Solution(example.answer, lines)
+    return solution
+
+
 def solver_examples(task: Task, n: int, seed: int, with_steps: bool = True, tokenizer=None,
                     print_fn=print) -> list[SFTExample]:
     """The exact solver's completions (steps optional) for the first `n` train-split prompts of `task` it
-    answers. A solver may decline prompts (Countdown's in_order and aligned `solver_style`: no answer in
-    the prompt's order); more prompts are then drawn, up to 8n, and the number declined is reported."""
+    answers (a file task's reference solutions: `worked_solution`). A solver may decline prompts (Countdown's
+    in_order and aligned `solver_style`: no answer in the prompt's order); more prompts are then drawn, up to
+    8n, and the number declined is reported. A split smaller than `n` gives what it has."""
     out, drawn, size = [], 0, n
     while True:
-        for ex in draw_examples(task, "train", size, seed, "examples")[drawn:]:   # a longer list starts with the shorter one
+        try:
+            pool = task.examples("train", size, seed)
+        except TooFewExamples as error:  # a small train file: all of it
+            pool, n = draw_examples(task, "train", error.available, seed, "examples"), min(n, error.available)
+        for ex in pool[drawn:]:   # a longer list starts with the shorter one
             drawn += 1
-            solution = task.solve(ex)
+            solution = worked_solution(task, ex)
             if solution is None:
                 continue
             if not with_steps:
@@ -52,10 +68,11 @@ def solver_examples(task: Task, n: int, seed: int, with_steps: bool = True, toke
             out.append(SFTExample(render_prompt(task.prompt(ex), tokenizer), render_completion(solution, task.prompt_style)))
             if len(out) == n:
                 break
-        if len(out) == n or size == 8 * n:
+        if len(out) == n or size == 8 * n or len(pool) < size:
             break
         size = min(8 * n, 2 * size)
-    require(out or n == 0, f"task {task.name!r} has no exact solver to make SFT data from: it answered none of {drawn} prompts")
+    require(out or n == 0, f"task {task.name!r} has no exact solver or reference solutions to make SFT data from: "
+            f"none for {drawn} prompts")
     require(len(out) == n, f"the {task.name!r} solver answered only {len(out)} of {drawn} prompts; {n} examples asked")
     declined = drawn - len(out)
     if declined:
@@ -65,11 +82,24 @@ def solver_examples(task: Task, n: int, seed: int, with_steps: bool = True, toke
 
 def drop_overlong(examples: Sequence[SFTExample], tokenizer, gen_length: int, print_fn=print) -> list[SFTExample]:
     """Keep the examples whose completion fits the dLLM's window; say how many were dropped."""
-    kept = [e for e in examples if len(tokenizer(e.completion, add_special_tokens=False)["input_ids"]) <= gen_length]
+    lengths = [completion_tokens(tokenizer, e) for e in examples]
+    kept = [e for e, n in zip(examples, lengths) if n <= gen_length]
     if len(kept) < len(examples):
         print_fn(f"dropped {len(examples) - len(kept)} of {len(examples)} examples longer than gen_length={gen_length}")
-    require(kept, f"no example fits gen_length={gen_length}")
+    require(kept, f"gen_length={gen_length}: no example fits (the shortest completion is {min(lengths)} tokens); "
+            f"use gen_length=null (the window fitted to the examples), a larger gen_length, or with_steps=false "
+            f"(answers without the solver's steps)")
     return kept
+
+
+def completion_tokens(tokenizer, example: SFTExample) -> int:
+    return len(tokenizer(example.completion, add_special_tokens=False)["input_ids"])
+
+
+def fitted_window(examples: Sequence[SFTExample], tokenizer, multiple: int = 8) -> int:
+    """The smallest multiple of `multiple` tokens that holds every completion and its EOS."""
+    longest = max(completion_tokens(tokenizer, e) for e in examples) + 1
+    return -(-longest // multiple) * multiple
 
 
 # ------------------------------------------------------------------------------------------- batches
@@ -160,6 +190,7 @@ def train_sft(
     log_every: int = 100,
     device: torch.device | str = "cpu",
     print_fn=print,
+    log_fn: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """AdamW with warmup + cosine decay over `steps` minibatches drawn from `examples`; returns the log. The
     masking noise comes from one generator on `device`, where the model runs."""
@@ -190,31 +221,44 @@ def train_sft(
             entry = {"step": step + 1, "loss": sum(running) / len(running), "lr": optimizer.param_groups[0]["lr"],
                      "seconds": round(time.perf_counter() - start, 1), "bf16": use_bf16}
             log.append(entry)
+            if log_fn is not None:
+                log_fn({**entry, "bf16": float(use_bf16)})
             running = []
             bar.set_postfix(loss=f"{entry['loss']:.4f}")
             print_fn(f"sft step {entry['step']}/{steps} loss {entry['loss']:.4f} lr {entry['lr']:.2e} {entry['seconds']}s")
     return log
 
 
-def run_sft(task: Task, *, model: str, kind: str = "auto", output_dir: str = "runs/sft", examples: int = 5000,
-            with_steps: bool = True, gen_length: int = 64, weighting: str = "elbo", steps: int = 200,
+def run_sft(task: Task, *, model: str, kind: str = "auto", output_dir: str | None = None, examples: int = 5000,
+            with_steps: bool = True, gen_length: int | None = None, weighting: str = "elbo", steps: int = 200,
             batch_size: int = 32, lr: float = 1e-4, warmup: int = 20, seed: int = 0, bf16: bool | str = "auto",
-            trust_remote_code: bool = False, device: str = "auto", print_fn=print) -> list[dict[str, Any]]:
-    """`dllm-rl sft`: fine-tune a local dLLM (masked-diffusion SFT) or causal LM (causal SFT) on `device`, save
-    it."""
+            trust_remote_code: bool = False, device: str = "auto", log_every: int = 10, tensorboard: bool = True,
+            print_fn=print) -> list[dict[str, Any]]:
+    """`dllm-rl sft`: fine-tune a local dLLM (masked-diffusion SFT) or causal LM (causal SFT) on `device`, and save
+    it to `output_dir` (a new directory; null: runs/sft-<task>-<time>) with its metrics.jsonl and TensorBoard
+    events, as `train` writes them. `gen_length=None` fits the dLLM's window to the longest example."""
     from dllm_rl.rollout.generate import load_generator
+    from dllm_rl.tracking import Tracker
 
-    check_ranges(dict(examples=examples, gen_length=gen_length, steps=steps, batch_size=batch_size, lr=lr, warmup=warmup),
-                 {**dict.fromkeys(("examples", "gen_length", "steps", "batch_size"), "at_least_1"), "lr": "positive",
+    check_ranges(dict(examples=examples, steps=steps, batch_size=batch_size, lr=lr, warmup=warmup, log_every=log_every),
+                 {**dict.fromkeys(("examples", "steps", "batch_size", "log_every"), "at_least_1"), "lr": "positive",
                   "warmup": "non_negative"})
+    if gen_length is not None:
+        check_ranges(dict(gen_length=gen_length), {"gen_length": "at_least_1"})
     require(weighting in ("elbo", "masked_mean"), f"weighting must be 'elbo' or 'masked_mean', got {weighting!r}")
     resolve_bf16(bf16)
     device = resolve_device(device)
+    out = Path(output_dir or time.strftime(f"runs/sft-{task.name}-%Y%m%d-%H%M%S"))
+    require(not (out.exists() and (not out.is_dir() or any(out.iterdir()))),
+            f"output_dir={str(out)!r} exists and is not empty; choose a new directory (sft never overwrites)")
     loaded = load_generator(model, kind=kind, trust_remote_code=trust_remote_code, device=device)
     tokenizer, net = loaded.tokenizer, loaded.model
-    data = solver_examples(task, examples, seed, with_steps=with_steps)
+    data = solver_examples(task, examples, seed, with_steps=with_steps, print_fn=print_fn)
     if loaded.is_diffusion:
         schedule = MaskingSchedule()
+        if gen_length is None:
+            gen_length = fitted_window(data, tokenizer)
+            print_fn(f"gen_length={gen_length}: the window that holds the longest of {len(data)} examples")
         data = drop_overlong(data, tokenizer, gen_length, print_fn)
 
         def loss_fn(batch, generator):
@@ -228,11 +272,18 @@ def run_sft(task: Task, *, model: str, kind: str = "auto", output_dir: str = "ru
             return causal_sft_loss(net, ids, mask, labels)
 
         module = net
+    require(len(data) >= batch_size, f"batch_size={batch_size}: larger than the {len(data)} examples there are; use "
+            f"batch_size<={len(data)}")
+    tracker = Tracker(out, tensorboard)
     module.train()
-    log = train_sft(loss_fn, module.parameters(), data, steps=steps, batch_size=batch_size, lr=lr, warmup=warmup,
-                    seed=seed, bf16=bf16, device=device, print_fn=print_fn)
+    try:
+        log = train_sft(loss_fn, module.parameters(), data, steps=steps, batch_size=batch_size, lr=lr, warmup=warmup,
+                        seed=seed, bf16=bf16, log_every=log_every, device=device, print_fn=print_fn,
+                        log_fn=lambda entry: tracker.log(entry["step"], {k: v for k, v in entry.items() if k != "step"}))
+    finally:
+        tracker.close()
     module.eval()
-    module.save_pretrained(output_dir)
-    tokenizer.save_pretrained(output_dir)
-    print_fn(f"saved the fine-tuned model to {output_dir}")
+    module.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    print_fn(f"saved the fine-tuned model to {out} (metrics.jsonl and tensorboard/ beside it)")
     return log

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -85,7 +87,8 @@ def test_solver_examples_draw_past_declined_prompts_and_name_a_task_without_solv
         prompt = staticmethod(lambda ex: ex.question)
         solve = staticmethod(lambda ex: None)
 
-    with pytest.raises(ConfigError, match="task 'gsm8k' has no exact solver to make SFT data from: it answered none of 40 prompts"):
+    with pytest.raises(ConfigError, match="task 'gsm8k' has no exact solver or reference solutions to make SFT data "
+                                          "from: none for 40 prompts"):
         solver_examples(NoSolver(), 5, 0)                  # 5, then 10, 20 and 40 (8n) prompts drawn
     firsts, late = {x.uid for x in NoSolver.examples("train", 3, 0)}, NoSolver()
     late.solve = lambda ex: None if ex.uid in firsts else Solution("1")
@@ -112,3 +115,49 @@ def test_sft_loss_falls_for_both_model_kinds(char_tokenizer, make_dllm):
     log = train_sft(lambda batch, g: causal_sft_loss(ar, *causal_batch(char_tokenizer, batch)), ar.parameters(), data,
                     steps=60, batch_size=16, lr=3e-3, warmup=5, log_every=20, print_fn=lambda *_: None)
     assert log[-1]["loss"] < 0.5 * log[0]["loss"]
+
+
+MATH_ROWS = {
+    "gsm8k": [{"question": f"What is {i} + {i}?", "answer": f"Add {i} and {i}.\nThat is {2 * i}.\n#### {2 * i}"}
+              for i in range(1, 5)],
+    "math500": [{"problem": f"Compute ${i} \\cdot 3$.", "solution": f"Multiply: ${i} \\cdot 3 = {3 * i}$.",
+                 "answer": str(3 * i)} for i in range(1, 5)],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", ["sudoku", "countdown", "arithmetic", "gsm8k", "math500"])
+def test_sft_runs_with_its_defaults_on_every_task_writes_metrics_and_never_overwrites(task, tmp_path, capsys):
+    """Sudoku's solver completions with steps do not fit a 64-token window: the default window is fitted to the
+    examples. GSM8K and MATH500 (no solver) train on the files' reference solutions."""
+    import json
+
+    from dllm_rl import cli
+
+    extra = []
+    if task in MATH_ROWS:
+        train_file = tmp_path / "train.jsonl"
+        train_file.write_text("".join(json.dumps(row) + "\n" for row in MATH_ROWS[task]))
+        extra = [f"task.train_file={train_file}"]
+    out = tmp_path / "sft"
+    args = ["sft", f"task={task}", "steps=4", "batch_size=2", "examples=8", "log_every=2", f"output_dir={out}", *extra]
+    assert cli.main(args) == 0
+    printed = capsys.readouterr().out
+    assert "examples longer than" not in printed and re.search(r"gen_length=\d+: the window that holds", printed)
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in logged] == [2, 4] and all(m["loss"] > 0 for m in logged)
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert (out / "model.safetensors").is_file()
+    before = (out / "model.safetensors").read_bytes()
+    assert cli.main(args) == 2
+    assert f"output_dir='{out}' exists and is not empty; choose a new directory" in capsys.readouterr().err
+    assert (out / "model.safetensors").read_bytes() == before
+
+
+def test_a_window_no_example_fits_says_what_to_set(char_tokenizer):
+    from dllm_rl.sft import drop_overlong
+
+    with pytest.raises(ConfigError, match=r"gen_length=4: no example fits \(the shortest completion is 9 tokens\); "
+                                          r"use gen_length=null .* or with_steps=false"):
+        drop_overlong([SFTExample("p", "123456789"), SFTExample("q", "1234567890")], char_tokenizer, 4,
+                      print_fn=lambda *_: None)
