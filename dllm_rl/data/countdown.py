@@ -17,6 +17,7 @@ import random
 from dataclasses import dataclass
 from fractions import Fraction
 
+from dllm_rl.data.d1_rewards import check_reward_style, d1_countdown
 from dllm_rl.data.answers import extract_tag, is_formatted
 from dllm_rl.data.task import (
     D1_FORMAT, Example, GeneratedTask, Reward, Solution, score,
@@ -262,6 +263,7 @@ class Countdown(GeneratedTask):
     # prompt's order, no brackets, one space before each operator (solve_aligned). in_order and aligned
     # decline the instances with no such answer (about 40%).
     solver_style: str = "free"
+    reward_style: str = "default"  # default | d1 (dllm_rl/data/d1_rewards.py)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "num_numbers", tuple(self.num_numbers))
@@ -282,6 +284,7 @@ class Countdown(GeneratedTask):
                 f"integers, and {k} numbers of at most {self.max_number} make at most {largest}; widen task.min_target"
                 f"/max_target or the numbers")
         self.check_style()
+        check_reward_style(self.reward_style)
 
     def draw(self, rng: random.Random) -> Example | None:
         """Numbers uniform in range; a random tree over them with positive integer intermediates; None when its
@@ -321,6 +324,8 @@ class Countdown(GeneratedTask):
         )
 
     def reward(self, completion: str, example: Example) -> Reward:
+        if self.reward_style == "d1":
+            return d1_countdown(completion, example.meta["numbers"], example.meta["target"])
         return countdown_reward(completion, example.meta["numbers"], example.meta["target"], self.format_weight)
 
     def solve(self, example: Example) -> Solution | None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from dllm_rl.data.d1_rewards import check_reward_style, d1_gsm8k, d1_math
 from dllm_rl.data.answers import extract_final_answer, is_formatted
 from dllm_rl.data.math_equal import math_equal
 from dllm_rl.data.task import (D1_FORMAT, Example, Reward, Solution, TooFewExamples, check_common, in_test_split,
@@ -79,6 +80,7 @@ class FileTask:
     prompt_style: str = "d1"
     format_weight: float = 0.0
     symbolic_timeout_s: float = 3.0
+    reward_style: str = "default"  # default | d1 (dllm_rl/data/d1_rewards.py)
 
     def __post_init__(self) -> None:
         require(self.name in FORMATS, f"file task name must be one of {sorted(FORMATS)}, got {self.name!r}")
@@ -89,6 +91,7 @@ class FileTask:
                 f"task.test_fraction={self.test_fraction!r} with both task.train_file and task.test_file: the files "
                 f"are the splits; unset task.test_fraction (or give one file to hash-split)")
         check_common("train", None, self.test_fraction, self.prompt_style, fraction_optional=True)
+        check_reward_style(self.reward_style)
 
     @property
     def split_rule(self) -> str:
@@ -156,10 +159,15 @@ class FileTask:
     def prompt(self, example: Example) -> str:
         if self.prompt_style == "compact":
             return f"{example.question}\n"
-        hint = "final answer (a number)" if self.name == "gsm8k" else "final answer in LaTeX, e.g. \\frac{1}{2}"
+        hint = "final answer (a number)" if self.name == "gsm8k" else "final answer in LaTeX, in \\boxed{}"
         return f"{example.question}\nSolve it step by step.\n" + D1_FORMAT.format(answer_hint=hint)
 
     def reward(self, completion: str, example: Example) -> Reward:
+        if self.reward_style == "d1" and self.name == "gsm8k":
+            return d1_gsm8k(completion, example.answer)
+        if self.reward_style == "d1":
+            return d1_math(completion, example.answer,
+                           lambda pred, ref: math_equal(pred, ref, symbolic=True, timeout_s=self.symbolic_timeout_s))
         formatted = is_formatted(completion)
         answer, reason = extract_final_answer(completion)
         if answer is None:

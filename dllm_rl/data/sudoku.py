@@ -17,6 +17,7 @@ import random
 from dataclasses import dataclass
 from functools import lru_cache
 
+from dllm_rl.data.d1_rewards import check_reward_style, d1_sudoku
 from dllm_rl.data.answers import extract_tag, is_formatted
 from dllm_rl.data.task import (
     D1_FORMAT, Example, GeneratedTask, Reward, Solution, score,
@@ -151,6 +152,7 @@ class Sudoku(GeneratedTask):
     test_fraction: float = 0.1
     prompt_style: str = "compact"
     format_weight: float = 0.0
+    reward_style: str = "default"  # default | d1 (dllm_rl/data/d1_rewards.py)
 
     def __post_init__(self) -> None:
         blanks = (self.blanks, self.blanks) if isinstance(self.blanks, int) else tuple(self.blanks)
@@ -161,6 +163,7 @@ class Sudoku(GeneratedTask):
             f"(a unique 4x4 solution needs at least 4 clues), got {list(blanks)}",
         )
         self.check_style()
+        check_reward_style(self.reward_style)
 
     def draw(self, rng: random.Random) -> Example:
         puzzle, solution = make_puzzle(rng, rng.randint(*self.blanks))
@@ -180,6 +183,8 @@ class Sudoku(GeneratedTask):
         )
 
     def reward(self, completion: str, example: Example) -> Reward:
+        if self.reward_style == "d1":
+            return d1_sudoku(completion, example.meta["puzzle"], example.answer)
         return sudoku_reward(completion, example.meta["puzzle"], self.format_weight, self.partial_credit)
 
     def solve(self, example: Example) -> Solution | None:
