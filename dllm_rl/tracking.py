@@ -14,6 +14,7 @@ import contextlib
 import json
 import math
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -54,8 +55,69 @@ class PhaseTimer:
         return {f"perf/{phase}_s": s for phase, s in self.seconds.items()}
 
 
+LOGGERS = {"tensorboard": {}, "wandb": {"project": "dllm-rl", "entity": None, "run_name": None, "tags": [],
+                                         "mode": "online"}}
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+def check_logger(options: dict[str, Any]) -> dict[str, Any]:
+    """The `logger` group by name, keys and values; returns it with its defaults."""
+    from dllm_rl.errors import pick, require
+
+    name = options.get("name", "tensorboard")
+    defaults = pick(LOGGERS, name, "logger")
+    given = {k: v for k, v in options.items() if k != "name"}
+    unknown = sorted(set(given) - set(defaults))
+    require(not unknown, f"logger.{unknown[0] if unknown else ''}: not a key of logger={name} "
+            f"(its keys: {sorted(defaults) or 'none'})")
+    merged = {**defaults, **given}
+    if name == "wandb":
+        require(merged["mode"] in WANDB_MODES, f"logger.mode={merged['mode']!r}: expected one of {list(WANDB_MODES)}")
+        require(isinstance(merged["tags"], (list, tuple)) and all(isinstance(t, str) for t in merged["tags"]),
+                f"logger.tags={merged['tags']!r}: expected a list of strings")
+        require(isinstance(merged["project"], str) and merged["project"],
+                f"logger.project={merged['project']!r}: expected a project name")
+    return {"name": name, **merged}
+
+
+class WandbSink:
+    """A W&B run beside the run directory's own logs: the metrics under the same keys and steps as
+    metrics.jsonl, sampled completions as a table per logged step. Its files go to <run_dir>/wandb; a resumed
+    run continues the same W&B run (its id is kept in <run_dir>/wandb_run_id)."""
+
+    def __init__(self, run_dir: Path, options: dict[str, Any], config: dict[str, Any] | None):
+        try:
+            import wandb
+        except ImportError:
+            from dllm_rl.errors import ConfigError
+
+            raise ConfigError("logger=wandb needs the wandb package: pip install wandb (or the `wandb` extra)") from None
+        id_file = run_dir / "wandb_run_id"
+        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:8]
+        id_file.write_text(run_id + "\n")
+        self.wandb = wandb
+        self.run = wandb.init(project=options["project"], entity=options["entity"], tags=list(options["tags"]),
+                              name=options["run_name"] or run_dir.name, mode=options["mode"], dir=str(run_dir),
+                              id=run_id, resume="allow", config=config or {},
+                              settings=wandb.Settings(silent=True, console="off"))
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        self.run.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        if rows:
+            columns = list(dict.fromkeys(k for row in rows for k in row))
+            table = self.wandb.Table(columns=["step", *columns],
+                                     data=[[step, *[row.get(c) for c in columns]] for row in rows])
+            self.run.log({"samples": table}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
 class Tracker:
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True, resume_step: int | None = None):
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, resume_step: int | None = None,
+                 logger: dict[str, Any] | None = None, config: dict[str, Any] | None = None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if resume_step is not None:
@@ -67,6 +129,8 @@ class Tracker:
 
             purge = None if resume_step is None else resume_step + 1
             self._writer = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge)
+        logger = check_logger(logger or {})
+        self._wandb = WandbSink(self.run_dir, logger, config) if logger["name"] == "wandb" else None
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         with open(self.run_dir / "metrics.jsonl", "a") as f:
@@ -76,15 +140,21 @@ class Tracker:
                 if isinstance(value, (int, float)) and math.isfinite(value):
                     self._writer.add_scalar(key, value, step)
             self._writer.flush()
+        if self._wandb is not None:
+            self._wandb.log(step, metrics)
 
     def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         with open(self.run_dir / "samples.jsonl", "a") as f:
             for row in rows:
                 f.write(json.dumps({"step": step, **row}) + "\n")
+        if self._wandb is not None:
+            self._wandb.samples(step, rows)
 
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
+        if self._wandb is not None:
+            self._wandb.close()
 
 
 def cut_back(path: Path, step: int) -> None:
@@ -109,7 +179,7 @@ class NullTracker(Tracker):
     """What non-zero ranks get: every call does nothing."""
 
     def __init__(self, *args, **kwargs):
-        self._writer = None
+        self._writer = self._wandb = None
 
     def log(self, step, metrics):
         pass

@@ -236,7 +236,8 @@ def setup(task: Task, cfg: TrainConfig, print_fn, saved_config: dict | None, all
     if checkpoint is not None:
         state = {**state, **load_trainer_state(checkpoint, learned.engine, learned.scheduler)}
     resumed_at = state["step"] if checkpoint is not None else (-1 if restart else None)  # logs are cut back to it
-    tracker = Tracker(run_dir, cfg.tensorboard, resume_step=resumed_at) if world.is_main else NullTracker()
+    tracker = (Tracker(run_dir, cfg.tensorboard, resume_step=resumed_at, logger=cfg.logger, config=saved_config)
+               if world.is_main else NullTracker())
     if world.is_main:  # the run's effective config: a change made at a resume lasts for the next one
         if resumed is None or checkpoint is None:
             write_run_config(run_dir, saved_config)

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from dllm_rl.tracking import check_logger
 from dllm_rl.algo.advantages import ADVANTAGE_FNS
 from dllm_rl.algo.correction import SamplerCorrection
 from dllm_rl.algo.losses import AGGREGATIONS, KL_FNS, grpo_loss
@@ -45,6 +46,7 @@ GROUP_DEFAULTS: dict[str, dict[str, Any]] = {
     "mixing": dataclasses.asdict(MixingConfig()),
     "lora": dict(LORA_DEFAULTS),
     "sampler_correction": dataclasses.asdict(SamplerCorrection()),
+    "logger": {"name": "tensorboard"},
 }
 
 
@@ -89,6 +91,7 @@ class TrainConfig:
     mixing: dict[str, Any] = _group("mixing")
     lora: dict[str, Any] = _group("lora")
     sampler_correction: dict[str, Any] = _group("sampler_correction")
+    logger: dict[str, Any] = _group("logger")
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> TrainConfig:
@@ -131,6 +134,7 @@ class TrainConfig:
         split_algo(self.algo)
         engine_options(self.deepspeed)
         self.lora = check_lora(self.lora)
+        check_logger(self.logger)
         check_kwargs(SamplerCorrection, self.sampler_correction, "sampler_correction")
         SamplerCorrection(**self.sampler_correction)
         require(not (self.lora["r"] > 0 and self.ref_sync_every > 0),
