@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # `dllm-rl train` under torchrun. Arguments are the usual key=value overrides.
-# The trainer places its batches on CPUs only for now (docs/deepspeed.md): GPU lines are the launch recipe.
+# On GPUs each rank takes its own GPU (LOCAL_RANK) and NCCL; without GPUs, one CPU process per rank over gloo.
+# LLaDA and Dream run their own code: add trust_remote_code=true (your consent; a recipe cannot give it).
 #
 #   one node, 8 GPUs:   NPROC=8 scripts/launch_torchrun.sh deepspeed=zero2 model=/ckpt/LLaDA-8B-Instruct
 #   several nodes:      run on every node with NNODES=4 NODE_RANK=<0..3> MASTER_ADDR=node0 NPROC=8

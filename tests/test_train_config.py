@@ -67,7 +67,7 @@ def test_the_8b_recipes_compose_into_valid_configs(experiment):
     cfg = cli.to_plain(cli.compose_config("train", [f"+experiment={experiment}", "model=/models/x", "task=gsm8k"]))
     cfg.pop("task")
     config = TrainConfig.from_options(cfg)
-    assert config.trust_remote_code and config.model == "/models/x"
+    assert not config.trust_remote_code and config.model == "/models/x"  # consent is the command line's to give
     assert (config.rollout["gen_length"], config.rollout["block_length"], config.rollout["steps"]) == (256, 32, 128)
     assert (config.group_size, config.inner_iterations, config.lora["r"], config.deepspeed["stage"]) == (6, 12, 128, 2)
     assert (config.algo["eps_low"], config.algo["beta"]) == (0.5, 0.04) and config.gradient_checkpointing
