@@ -57,6 +57,8 @@ def solver_examples(task: Task, n: int, seed: int, with_steps: bool = True, toke
         try:
             pool = task.examples("train", size, seed)
         except TooFewExamples as error:  # a small train file: all of it
+            require(error.available > 0, f"the train split of {task.name!r} is empty: set task.train_file (a file's "
+                    f"problems that are also in task.test_file are dropped from training)")
             pool, n = draw_examples(task, "train", error.available, seed, "examples"), min(n, error.available)
         for ex in pool[drawn:]:   # a longer list starts with the shorter one
             drawn += 1

@@ -82,12 +82,14 @@ class PromptSource:
 
     def __init__(self, task: Task, tokenizer, dp: DataParallel, per_step: int, pool: int, seed: int,
                  position: int = 0):
+        empty = (f"the train split of {task.name!r} is empty (a task file's problems that are also in its test file "
+                 f"are dropped from training)")
         try:
             self.examples = task.examples("train", pool, seed)
         except TooFewExamples as error:  # a small train file: all of it
+            require(error.available > 0, empty)
             self.examples = draw_examples(task, "train", error.available, seed, "train_pool")
-        require(self.examples, f"the train split of {task.name!r} is empty (a task file's problems that are also "
-                f"in its test file are dropped from training)")
+        require(self.examples, empty)
         self.task, self.tokenizer, self.dp, self.per_step = task, tokenizer, dp, per_step
         self.seed, self.position = seed, position
 

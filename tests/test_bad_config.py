@@ -185,3 +185,14 @@ def test_default_model_paths_resolve_from_the_package(tmp_path, monkeypatch, cap
     assert cfg["model"] == str(root / "models" / "tiny-dllm") and cfg["external"]["path"] == str(root / "models" / "tiny-ar")
     (tmp_path / "models" / "tiny-dllm").mkdir(parents=True)  # a directory of that name here wins
     assert cli.main(["eval", "--cfg"]) == 0 and yaml.safe_load(capsys.readouterr().out)["model"] == "models/tiny-dllm"
+
+
+def test_an_empty_train_split_is_named(tmp_path, capsys):
+    """A train file whose every problem is also in the test file leaves nothing to train on."""
+    same = tmp_path / "same.jsonl"
+    same.write_text(json.dumps({"question": "1+1?", "answer": "#### 2"}) + "\n")
+    files = ["task=gsm8k", f"task.train_file={same}", f"task.test_file={same}"]
+    for args in (["train", *files, f"run_dir={tmp_path / 'r'}", "external=none", "eval_every=0"],
+                 ["sft", *files, f"output_dir={tmp_path / 's'}"]):
+        assert cli.main(args) == 2
+        assert "the train split of 'gsm8k' is empty" in capsys.readouterr().err, args
