@@ -62,7 +62,8 @@ class MixingConfig:
     is_self_normalize: bool = True
     # the estimator for external rows; None = the on-policy one (left_to_right if that needs a trajectory).
     # The ELBO beat mean-field for external rows (docs/erils.md: mean-field trains only the all-masked state)
-    likelihood: dict[str, Any] | None = field(default_factory=lambda: {"name": "elbo", "num_masks": 2, "eps": 0.001})
+    likelihood: dict[str, Any] | None = field(default_factory=lambda: {"name": "elbo", "num_masks": 2, "eps": 0.001,
+                                                                       "masking": "fixed_count"})
     minibatch_mix: str = "stratified"
 
     def __post_init__(self) -> None:

@@ -20,6 +20,10 @@ rollout). Cost is in forward passes per row:
 - elbo: M masks with t_m from antithetic (stratified) sampling; token i contributes
   mean_m [masked_im / t_m * log p(y_i | masked sequence)]: its sum over tokens is the unbiased Monte-Carlo
   estimate of LLaDA's ELBO (Eq. 3 of arXiv 2502.09992), a lower bound on log p(y | x).
+  `masking=fixed_count` is the form of LLaDA's own `get_log_likelihood`: l_m uniform on 1..C (stratified),
+  exactly l_m of the C window tokens masked, weight C / l_m. Both forms give a mask of k tokens the same
+  expected weight, integral of t^(k-1) (1-t)^(C-k) dt = (k-1)! (C-k)! / C!, so they estimate the same ELBO;
+  the fixed count removes the variance of the number of masked tokens (`scripts/elbo_variance.py`).
 - coupled: M pairs of complementary masks (mask_a with rate t, mask_b = not mask_a, rate 1 - t), weights
   1/t and 1/(1 - t); every token is scored exactly once per pair, which lowers the variance.
 - ordered: the probability of the tokens in the order they were unmasked: at step s, the tokens unmasked
@@ -100,15 +104,35 @@ def _masked_passes(policy, ids_NL, attention_mask_NL, P: int, masks_NMC, weights
     return (logp_NC.view(N, M, C) * masks_NMC * weights_NMC).mean(1)
 
 
+def masks_of_counts(generator: torch.Generator, num: int, C: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(l_M1, is_masked_MC): `num` mask counts l in 1..C, stratified (one uniform offset, evenly spaced strata,
+    each l uniform on 1..C), and for each exactly l of the C tokens masked, chosen uniformly (the l lowest of C
+    uniform scores). LLaDA's `get_log_likelihood` masking."""
+    u0 = torch.rand(1, generator=generator, dtype=torch.float64, device=generator.device)
+    u_M = (u0 + torch.arange(num, dtype=torch.float64, device=generator.device) / num) % 1.0
+    l_M1 = (u_M * C).floor().clamp(max=C - 1)[:, None] + 1
+    scores_MC = torch.rand((num, C), generator=generator, dtype=torch.float64, device=generator.device)
+    return l_M1, scores_MC.argsort(1).argsort(1) < l_M1
+
+
+ELBO_MASKINGS = ("per_token", "fixed_count")
+
+
 def elbo(policy, ids_NL, attention_mask_NL, prompt_length: int, *, seeds_N, order_NC=None, num_masks: int = 4,
-         eps: float = 1e-3) -> torch.Tensor:
+         eps: float = 1e-3, masking: str = "per_token") -> torch.Tensor:
     require(num_masks >= 1, f"num_masks must be >= 1, got {num_masks}")
+    require(masking in ELBO_MASKINGS, f"masking={masking!r}: expected one of {list(ELBO_MASKINGS)}")
     C = ids_NL.shape[1] - prompt_length
     masks, weights = [], []
     for g in row_generators(seeds_N, MASK_DEVICE):
-        t_M1, is_masked_MC = masks_at_times(g, num_masks, C, eps)
+        if masking == "fixed_count":  # exactly l of C masked, weight C / l
+            l_M1, is_masked_MC = masks_of_counts(g, num_masks, C)
+            weight_M1 = C / l_M1
+        else:  # each token masked with probability t, weight 1 / t
+            t_M1, is_masked_MC = masks_at_times(g, num_masks, C, eps)
+            weight_M1 = 1.0 / t_M1
         masks.append(is_masked_MC)
-        weights.append((1.0 / t_M1).expand(num_masks, C))
+        weights.append(weight_M1.expand(num_masks, C))
     return _masked_passes(policy, ids_NL, attention_mask_NL, prompt_length,
                           torch.stack(masks).to(ids_NL.device), torch.stack(weights).float().to(ids_NL.device))
 
@@ -188,6 +212,7 @@ def estimate_logp(name: str, policy, ids_NL, attention_mask_NL, prompt_length: i
 
 RUNTIME_ARGS = ("seeds_N", "order_NC")  # what the trainer passes per call; every other keyword is an option
 OPTION_RANGES = {"prompt_mask_prob": "probability", "num_masks": "at_least_1", "eps": "open_unit", "group": "at_least_1"}
+OPTION_CHOICES = {"masking": ELBO_MASKINGS}
 
 
 @dataclass(frozen=True)
@@ -236,4 +261,7 @@ def build_estimator(config: dict[str, Any], key: str = "likelihood") -> Estimato
     check_kwargs(fn, options, key, exclude=(*positional, *RUNTIME_ARGS))
     check_types(fn, options, key)
     check_ranges(options, OPTION_RANGES, key)
+    for option, choices in OPTION_CHOICES.items():
+        require(options.get(option, choices[0]) in choices,
+                f"{key}.{option}={options.get(option)!r}: expected one of {list(choices)}")
     return Estimator(name, fn, level, needs_trajectory, options)
