@@ -62,14 +62,13 @@ WANDB_MODES = ("online", "offline", "disabled")
 
 def check_logger(options: dict[str, Any]) -> dict[str, Any]:
     """The `logger` group by name, keys and values; returns it with its defaults."""
-    from dllm_rl.errors import pick, require
+    from dllm_rl.errors import ConfigError, pick, require
 
     name = options.get("name", "tensorboard")
     defaults = pick(LOGGERS, name, "logger")
     given = {k: v for k, v in options.items() if k != "name"}
-    unknown = sorted(set(given) - set(defaults))
-    require(not unknown, f"logger.{unknown[0] if unknown else ''}: not a key of logger={name} "
-            f"(its keys: {sorted(defaults) or 'none'})")
+    for key in sorted(set(given) - set(defaults)):
+        raise ConfigError(f"logger.{key}: not a key of logger={name} (its keys: {sorted(defaults) or 'none'})")
     merged = {**defaults, **given}
     if name == "wandb":
         require(merged["mode"] in WANDB_MODES, f"logger.mode={merged['mode']!r}: expected one of {list(WANDB_MODES)}")

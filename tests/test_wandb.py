@@ -92,3 +92,12 @@ def test_a_bad_logger_option_is_named(capsys):
     assert cli.main(["train", "logger=wandb", "logger.mode=cloud"]) == 2
     assert "logger.mode='cloud': expected one of ['online', 'offline', 'disabled']" in capsys.readouterr().err
     assert cli.main(["train", "logger=slack"]) == 2
+
+
+def test_a_key_the_logger_does_not_have_is_named():
+    from dllm_rl.errors import ConfigError
+    from dllm_rl.tracking import check_logger
+
+    with pytest.raises(ConfigError, match=r"logger.project: not a key of logger=tensorboard \(its keys: none\)"):
+        check_logger({"name": "tensorboard", "project": "x"})
+    assert check_logger({"name": "wandb"})["mode"] == "online"
