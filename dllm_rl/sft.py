@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from dllm_rl.data.task import Solution, Task, TooFewExamples, draw_examples, render_completion, render_prompt
+from dllm_rl.data.task import Solution, Task, render_completion, render_prompt, train_examples_up_to
 from dllm_rl.errors import ConfigError, check_ranges, require
 from dllm_rl.optim import lr_factor
 from dllm_rl.policy.adapters import DiffusionPolicy
@@ -54,12 +54,8 @@ def solver_examples(task: Task, n: int, seed: int, with_steps: bool = True, toke
     8n, and the number declined is reported. A split smaller than `n` gives what it has."""
     out, drawn, size = [], 0, n
     while True:
-        try:
-            pool = task.examples("train", size, seed)
-        except TooFewExamples as error:  # a small train file: all of it
-            require(error.available > 0, f"the train split of {task.name!r} is empty: set task.train_file (a file's "
-                    f"problems that are also in task.test_file are dropped from training)")
-            pool, n = draw_examples(task, "train", error.available, seed, "examples"), min(n, error.available)
+        pool = train_examples_up_to(task, size, seed)  # a small train file: all of it
+        n = min(n, len(pool))
         for ex in pool[drawn:]:   # a longer list starts with the shorter one
             drawn += 1
             solution = worked_solution(task, ex)

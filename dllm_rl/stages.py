@@ -40,7 +40,7 @@ from dllm_rl.algo.advantages import compute_advantages
 from dllm_rl.algo.correction import SamplerCorrection, correction_weights, rollout_log_ratio
 from dllm_rl.algo.losses import aggregation_units, grpo_loss
 from dllm_rl.buffer import Rows, loss_inputs
-from dllm_rl.data.task import Example, Task, TooFewExamples, draw_examples, render_prompt
+from dllm_rl.data.task import Example, Task, render_prompt, train_examples_up_to
 from dllm_rl.data_parallel import DataParallel
 from dllm_rl.engine import Engine
 from dllm_rl.errors import RunStopped, require
@@ -82,14 +82,7 @@ class PromptSource:
 
     def __init__(self, task: Task, tokenizer, dp: DataParallel, per_step: int, pool: int, seed: int,
                  position: int = 0):
-        empty = (f"the train split of {task.name!r} is empty (a task file's problems that are also in its test file "
-                 f"are dropped from training)")
-        try:
-            self.examples = task.examples("train", pool, seed)
-        except TooFewExamples as error:  # a small train file: all of it
-            require(error.available > 0, empty)
-            self.examples = draw_examples(task, "train", error.available, seed, "train_pool")
-        require(self.examples, empty)
+        self.examples = train_examples_up_to(task, pool, seed)  # a small train file: all of it
         self.task, self.tokenizer, self.dp, self.per_step = task, tokenizer, dp, per_step
         self.seed, self.position = seed, position
 

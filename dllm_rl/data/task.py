@@ -55,6 +55,16 @@ def draw_examples(task: "Task", split: str, n: int | None, seed: int, key: str) 
         raise ConfigError(error.worded(key)) from None
 
 
+def train_examples_up_to(task: "Task", n: int, seed: int) -> list["Example"]:
+    """The first `n` train examples, or all of a smaller train split; an empty one is a named error."""
+    try:
+        return task.examples("train", n, seed)
+    except TooFewExamples as error:
+        require(error.available > 0, f"the train split of {task.name!r} is empty (a task file's problems that are "
+                f"also in its test file are dropped from training; set task.train_file)")
+        return task.examples("train", error.available, seed)
+
+
 @dataclass(frozen=True)
 class Example:
     """One problem. `answer` is the reference final answer (what belongs inside <answer> tags); `meta`
