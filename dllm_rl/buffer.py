@@ -2,7 +2,8 @@
 
 A step holds one `Rows` per source: the dLLM's own denoising rollouts ("on_policy") and, with ERILS, the
 external policy's rollouts ("external"). Every row carries its source, the policy version that made it,
-its prompt, reward and advantage, a loss weight, the mask seed of each inner iteration, and its old and
+its key (the global id of its prompt, its index among that prompt's rollouts of the source: what its seeds
+and its place among all ranks' rows are functions of, never its position), its prompt, reward and advantage, a loss weight, the mask seed of each inner iteration, and its old and
 reference log-probs once scored. Rows of one source share a prompt length P and a window C; sources may
 differ (external rows have their own prompt padding, and a longer window under `length_rule=none`), so
 each source is scored by its own forward passes and the per-token log-probs are padded to a common width
@@ -11,6 +12,7 @@ before the loss. Where the rows sit among all data-parallel ranks' rows is `dllm
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -18,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dllm_rl.data.task import Reward
-from dllm_rl.errors import pick
+from dllm_rl.errors import pick, require
 from dllm_rl.likelihood.estimators import Estimator
 
 if TYPE_CHECKING:
@@ -38,7 +40,7 @@ class Rows:
     prompt_length: int
     mask_NC: torch.Tensor  # 1 on the scored completion tokens (up to and including the first EOS)
     order_NC: torch.Tensor | None  # the step each token was unmasked at; None = no denoising trajectory
-    prompt_N: torch.Tensor  # index of each row's prompt among the step's prompts
+    prompt_N: torch.Tensor  # index of each row's prompt among this rank's prompts of the step (StepBatch.examples)
     rewards: list[Reward]  # one per row (empty until the verify stage scores the texts)
     texts: list[str]
     version: int  # policy version (step) that made the rows; -1 for an external policy
@@ -53,9 +55,38 @@ class Rows:
     mask_seeds: list[list[int]] = field(default_factory=list)  # [inner iteration][row]
     old_logp: list[torch.Tensor | None] = field(default_factory=list)  # [inner iteration] -> (N, C) or (N, 1)
     ref_logp: list[torch.Tensor | None] = field(default_factory=list)
+    # the rows' keys: the global id of each row's prompt (StepBatch.prompt_ids) and its index among that
+    # prompt's rollouts of this source. Hand-made rows without them are keyed by prompt_N and their order.
+    prompt_id_N: torch.Tensor | None = None
+    rollout_N: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.prompt_id_N is None:
+            self.prompt_id_N = self.prompt_N.clone()
+        if self.rollout_N is None:
+            self.rollout_N = order_within_groups(self.prompt_id_N)
 
     def __len__(self) -> int:
         return self.ids_NL.shape[0]
+
+    @property
+    def keys(self) -> list[tuple[int, int]]:
+        """(prompt id, rollout index) of every row."""
+        return list(zip(self.prompt_id_N.tolist(), self.rollout_N.tolist()))
+
+    def select(self, keep_N: torch.Tensor) -> Rows:
+        """The rows where the bool `keep_N` is true (in their order), with everything known about them; before
+        sharding and scoring (a filter's job: a `Shard` and mask seeds belong to the rows as they were)."""
+        require(self.shard is None and not self.mask_seeds, "rows are selected before they are sharded and scored")
+        idx = keep_N.nonzero().squeeze(-1).to(self.ids_NL.device)
+        picked = idx.tolist()
+        take = lambda t: None if t is None else t[idx.to(t.device)]  # noqa: E731
+        return dataclasses.replace(
+            self, ids_NL=self.ids_NL[idx], attention_mask_NL=self.attention_mask_NL[idx], mask_NC=self.mask_NC[idx],
+            order_NC=take(self.order_NC), prompt_N=take(self.prompt_N), rewards=[self.rewards[i] for i in picked]
+            if self.rewards else [], texts=[self.texts[i] for i in picked], behaviour_logp_N=take(self.behaviour_logp_N),
+            sampler_logp_NC=take(self.sampler_logp_NC), adv_N=take(self.adv_N), weight_N=take(self.weight_N),
+            prompt_id_N=take(self.prompt_id_N), rollout_N=take(self.rollout_N))
 
     @property
     def rewards_N(self) -> torch.Tensor:
@@ -76,6 +107,12 @@ class Rows:
 
     def score_all(self, policy, iteration: int, lockstep: Lockstep | None = None) -> torch.Tensor:
         return self.score(policy, torch.arange(len(self), device=self.ids_NL.device), iteration, lockstep)[0]
+
+
+def order_within_groups(group_N: torch.Tensor) -> torch.Tensor:
+    """rank_N: each row's index among the rows of its group that come before it (0, 1, ... per group)."""
+    same_NN = group_N[:, None] == group_N[None, :]
+    return torch.tril(same_NN, diagonal=-1).sum(-1)
 
 
 def minibatch_plan(sizes: list[int], num_minibatches: int, mix: str, generator: torch.Generator) -> list[list[torch.Tensor]]:

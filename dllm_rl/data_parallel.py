@@ -1,12 +1,16 @@
 """Data parallelism of the RL step, in one place: N ranks reproduce one process.
 
-Every rank draws the same prompts, and every random draw keeps its single-process seed because it is a
-function of a row's global index, never of its index on a rank. What that takes is here, and the training
-loop calls it without naming a rank:
+Every rank draws the same prompts and takes the same curation decisions, and every random draw keeps its
+single-process seed because it is a function of a row's key (its prompt's global id, its index among that
+prompt's rollouts), never of its index on a rank. What that takes is here, and the training loop calls it
+without naming a rank:
 
-- whole prompt groups per rank (`local_prompts`): group statistics (advantages) never cross ranks;
-- a `Shard` per source (`shard_sources`): where this rank's rows sit among all ranks' rows of the source, from
-  one gather of the counts; estimator mask seeds and minibatch membership are functions of the global index;
+- whole prompt groups per rank (`assign`): a contiguous run of the step's prompts, balanced by how many
+  rollouts each gets (groups may differ in size), so group statistics (advantages) never cross ranks;
+- a `Shard` per source (`shard_sources`): where this rank's rows sit among all ranks' rows of the source in
+  key order, from one gather of the keys; minibatch membership is a function of that global position, so
+  ranks holding uneven numbers of rows (a filter dropped more of one's) still train on the single-process
+  minibatches;
 - stand-in rows (`stand_in`): under ZeRO-3 every forward gathers parameters collectively, so a rank with no
   rows of a source that other ranks have scores one row that counts for nothing, and all ranks make the same
   calls; `pads` tells `buffer.loss_inputs` to do the same for a source missing from one rank's minibatch; and
@@ -14,14 +18,14 @@ loop calls it without naming a rank:
 - the minibatch plan (`minibatch_plan`): the single-process plan over all ranks' rows, cut to this rank's;
 - the loss normaliser (`total`): `algo.losses.aggregate` divides a rank's loss by the units of every rank, so
   DeepSpeed's gradient average is the gradient of the loss over all rows;
-- decisions every rank takes alike (`any`, `widest`) and metrics over ranks (`mean_metrics`).
+- decisions every rank takes alike (`any`, `widest`, `gather_objects`) and metrics over ranks (`mean_metrics`,
+  row means weighted by each rank's rows).
 
 With one process every call returns its input or a local count, and no collective runs.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -36,44 +40,78 @@ from dllm_rl.lockstep import Lockstep
 
 @dataclass(frozen=True)
 class Shard:
-    """Where one source's rows on this rank sit among all ranks' rows of that source."""
+    """Where one source's rows on this rank sit among all ranks' rows of that source, in key order."""
 
-    start: int  # global index of this rank's first row
-    count: int  # this rank's real rows (0 where it holds a stand-in)
+    index_N: tuple[int, ...]  # the global position of each of this rank's real rows (none for a stand-in)
     total: int  # the source's rows over all ranks
+
+    @property
+    def count(self) -> int:
+        return len(self.index_N)
+
+
+def global_positions(keys_by_rank: Sequence[Sequence[tuple[int, int]]], rank: int, source: str) -> Shard:
+    """This rank's `Shard` from every rank's row keys: a row's position is its key's rank among all keys."""
+    every = sorted(k for keys in keys_by_rank for k in keys)
+    require(len(set(every)) == len(every), f"the {source} rows of the step have duplicate keys (prompt id, rollout "
+            f"index): {sorted({k for k in every if every.count(k) > 1})[:5]}")
+    position = {k: i for i, k in enumerate(every)}
+    return Shard(tuple(position[tuple(k)] for k in keys_by_rank[rank]), len(every))
+
+
+def balanced_runs(counts: Sequence[int], ranks: int) -> list[range]:
+    """Each rank's contiguous run of prompts (indices into `counts`, rollouts per prompt): a prompt goes to the
+    rank whose equal share of all rollouts holds the middle of its group, so equal groups split evenly and
+    uneven ones by rollouts, not by prompts. Prompts with no rollouts go with their neighbours."""
+    total = sum(counts)
+    if total == 0:
+        return [range(0) for _ in range(ranks)]
+    owner, before = [], 0
+    for n in counts:
+        owner.append(min(ranks - 1, (2 * before + n) * ranks // (2 * total)))
+        before += n
+    return [range(owner.index(r), len(owner) - owner[::-1].index(r)) if r in owner else range(0)
+            for r in range(ranks)]
 
 
 def stand_in(like: Rows, source: str, estimator: Estimator) -> Rows:
     """One row of `source` that goes through every forward and backward but counts for nothing (mask 0,
-    weight 0, advantage 0): what a rank scores for a source only other ranks have rows of."""
+    weight 0, advantage 0): what a rank scores for a source only other ranks have rows of. Made from the first
+    row of `like` (any rows of the step: the on-policy ones, themselves a stand-in where this rank has none)."""
+    order = torch.zeros_like(like.mask_NC[:1], dtype=torch.long) if estimator.needs_trajectory else None
     return Rows(source, like.ids_NL[:1], like.attention_mask_NL[:1], like.prompt_length,
-                torch.zeros_like(like.mask_NC[:1]), None, like.prompt_N[:1], like.rewards[:1], like.texts[:1],
-                like.version, estimator, adv_N=like.mask_NC.new_zeros(1), weight_N=like.mask_NC.new_zeros(1), inert=True)
+                torch.zeros_like(like.mask_NC[:1]), order, like.prompt_N[:1], like.rewards[:1], like.texts[:1],
+                like.version, estimator, adv_N=like.mask_NC.new_zeros(1), weight_N=like.mask_NC.new_zeros(1),
+                inert=True, prompt_id_N=like.prompt_id_N[:1], rollout_N=like.rollout_N[:1])
 
 
-def rank_plan(global_sizes: Sequence[int], starts: Sequence[int], local_sizes: Sequence[int], num_minibatches: int,
-              mix: str, generator: torch.Generator) -> list[list[torch.Tensor]]:
-    """`buffer.minibatch_plan` over all ranks' rows, restricted to this rank's: part p's rows here are its global
-    rows [starts[p], starts[p] + local_sizes[p]). Every rank draws the single-process plan, so each minibatch
-    holds the rows a single process would put in it; a rank may hold none of a part's rows in a minibatch."""
+def rank_plan(global_sizes: Sequence[int], positions: Sequence[Sequence[int]], num_minibatches: int, mix: str,
+              generator: torch.Generator) -> list[list[torch.Tensor]]:
+    """`buffer.minibatch_plan` over all ranks' rows, restricted to this rank's: part p's row i here is its
+    global row positions[p][i]. Every rank draws the single-process plan, so each minibatch holds the rows a
+    single process would put in it, in its order; a rank may hold none of a part's rows in a minibatch."""
     plan = minibatch_plan(list(global_sizes), num_minibatches, mix, generator)
-    return [[idx[(idx >= s) & (idx < s + n)] - s for idx, s, n in zip(picks, starts, local_sizes)] for picks in plan]
+    local_of = []
+    for total, index in zip(global_sizes, positions):
+        # cpu: with the plan's indices, which are drawn on the CPU (every device draws the same plan)
+        local = torch.full((total,), -1, dtype=torch.long)
+        local[list(index)] = torch.arange(len(index))  # cpu: beside the plan above
+        local_of.append(local)
+    out = []
+    for picks in plan:
+        mine = [local[idx.cpu()] for idx, local in zip(picks, local_of)]
+        out.append([m[m >= 0].to(idx.device) for m, idx in zip(mine, picks)])
+    return out
 
 
 class DataParallel:
     """This rank's part of each step, for a world of `world.size` ranks (1 without a launcher)."""
 
     def __init__(self, world: World, prompts_per_step: int, group_size: int, minibatch_size: int, zero_stage: int = 0):
-        require(prompts_per_step % world.size == 0, f"prompts_per_step={prompts_per_step} must be divisible by the "
-                f"number of ranks ({world.size}): each rank takes whole prompt groups")
-        self.world, self.group_size = world, group_size
+        self.world, self.group_size, self.minibatch_size = world, group_size, minibatch_size
         self.lockstep = Lockstep(world, enabled=zero_stage == 3)  # equal forward counts (dllm_rl/lockstep.py)
-        self.prompts = prompts_per_step // world.size  # B, this rank's prompts per step
+        # the most minibatches of a step: no strategy gives a step more on-policy rows than B * G
         self.num_minibatches = num_minibatches(prompts_per_step * group_size, minibatch_size)
-        rows = self.prompts * group_size
-        require(self.num_minibatches <= rows, f"minibatch_size={minibatch_size} makes {self.num_minibatches} "
-                f"minibatches per inner iteration, but a rank holds {rows} rollouts; use minibatch_size >= "
-                f"{math.ceil(prompts_per_step * group_size / rows)}")
 
     @property
     def size(self) -> int:
@@ -86,31 +124,31 @@ class DataParallel:
 
     # ------------------------------------------------------------------------------------ rows
 
-    def local_prompts(self, examples: Sequence[Any]) -> tuple[list[Any], int]:
-        """(this rank's whole prompt groups of the step's `examples`, the global index of the first)."""
-        first = self.world.rank * self.prompts
-        return list(examples[first:first + self.prompts]), first
+    def assign(self, counts: Sequence[int]) -> range:
+        """This rank's prompts among the step's (each with `counts` rollouts): see `balanced_runs`."""
+        return balanced_runs(counts, self.world.size)[self.world.rank]
 
     def shard_sources(self, rows: dict[str, Rows], estimators: dict[str, Estimator]) -> None:
-        """Give every source's rows their `Shard`; a source that only other ranks have gets a stand-in row here.
-        `estimators` names the sources this run can have (on_policy first) and scores them; every rank calls
-        this with the same names (one gather of row counts per source other than on_policy)."""
+        """Give every source's rows their `Shard` (one gather of row keys per source); a source that only other
+        ranks have gets a stand-in row here. `estimators` names the sources this run can have (on_policy first:
+        every rank has its rows, a stand-in where it has none) and scores them; every rank calls this with the
+        same names."""
         for source, estimator in estimators.items():
             mine = rows.get(source)
-            if source == "on_policy":
-                start, count = self.world.rank * len(mine), len(mine)
-                mine.shard = Shard(start, count, count * self.world.size)  # equal shares of whole groups
-                continue
-            counts = all_gather_objects(0 if mine is None else len(mine), self.world)
-            if mine is None and self.pads and any(counts):
+            keys = [] if mine is None or mine.inert else mine.keys
+            every = all_gather_objects(keys, self.world)
+            if mine is None and self.pads and any(every):
                 rows[source] = mine = stand_in(rows["on_policy"], source, estimator)
             if mine is not None:
-                mine.shard = Shard(sum(counts[:self.world.rank]), counts[self.world.rank], sum(counts))
+                mine.shard = global_positions(every, self.world.rank, source)
 
     def minibatch_plan(self, parts: Sequence[Rows], mix: str, generator: torch.Generator) -> list[list[torch.Tensor]]:
-        """For each minibatch of an inner iteration, the rows of each part (by local index) this rank trains on."""
-        return rank_plan([p.shard.total for p in parts], [p.shard.start for p in parts],
-                         [p.shard.count for p in parts], self.num_minibatches, mix, generator)
+        """For each minibatch of an inner iteration, the rows of each part (by local index) this rank trains on.
+        The step's on-policy rows (all ranks') set how many minibatches there are."""
+        count = num_minibatches(parts[0].shard.total, self.minibatch_size)
+        require(count <= self.num_minibatches, f"the step holds {parts[0].shard.total} on-policy rows, more than "
+                f"prompts_per_step * group_size: a rollout allocator must stay within the step's budget")
+        return rank_plan([p.shard.total for p in parts], [p.shard.index_N for p in parts], count, mix, generator)
 
     # ------------------------------------------------------------------------------------ collectives
 
@@ -130,6 +168,12 @@ class DataParallel:
         """(every rank's `t` concatenated in rank order, where this rank's rows start in it)."""
         return gather_tensor(t, self.world)
 
-    def mean_metrics(self, metrics: dict[str, float], summed: tuple[str, ...] = ()) -> dict[str, float]:
-        """Each metric averaged over the ranks that report it; `summed` keys (counts) added up."""
-        return mean_metrics(metrics, self.world, summed=summed)
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order (what a decision every rank takes alike is made from)."""
+        return all_gather_objects(obj, self.world)
+
+    def mean_metrics(self, metrics: dict[str, float], summed: tuple[str, ...] = (),
+                     weights: dict[str, float] | None = None) -> dict[str, float]:
+        """Each metric averaged over the ranks that report it; `summed` keys (counts) added up; `weights` keys
+        (row means) weighted by this rank's rows."""
+        return mean_metrics(metrics, self.world, summed=summed, weights=weights)

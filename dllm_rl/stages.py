@@ -1,12 +1,13 @@
 """The stages of one RL step, each testable alone, with a `StepBatch` of plain data flowing between them.
 
-    choose prompts -> generate -> verify -> external rollouts -> advantages -> old/ref log-probs
+    choose prompts -> (allocate) -> generate -> verify -> external rollouts -> advantages -> old/ref log-probs
     -> (sampler correction) -> update -> metrics (the checkpoint is the loop's)
 
 | stage              | here                        | reads                          | writes                              |
 |--------------------|-----------------------------|--------------------------------|-------------------------------------|
-| choose prompts     | `PromptSource`              | the train split, the step      | a new batch: this rank's prompts    |
-| generate           | `InProcessRollouts`         | prompts                        | rows["on_policy"]: tokens, texts    |
+| choose prompts     | `PromptSource`              | the train split, the step      | the step's prompts (`Drawn`, global)|
+| allocate           | `PromptSource.batch`        | rollouts per prompt            | a new batch: this rank's prompts    |
+| generate           | `InProcessRollouts`         | prompts, their group sizes     | rows["on_policy"]: tokens, texts    |
 | verify             | `verify`                    | every source's texts           | their rewards                       |
 | external rollouts  | `ExternalRollouts` (ERILS)  | prompts, on-policy correctness | rows["external"], external/* metrics|
 | advantages         | `assign_advantages`         | rewards                        | adv_N (and external weights)        |
@@ -15,9 +16,11 @@
 | update             | `Learner.update`            | every row                      | the weights; loss and policy metrics|
 | metrics            | `step_metrics`              | the batch                      | the step's metrics (over ranks)     |
 
-Where later capabilities go, without editing the other stages: a prompt filter or a rollout allocator is a
-function of the batch between "choose prompts" and "generate" (it may drop prompts) or after "verify" (it may
-drop rows); rollouts from workers replace `InProcessRollouts` with any callable that returns on-policy `Rows`
+Rows are keyed by (the global id of their prompt, their index among its rollouts), never by position: a
+prompt may get any number of rollouts (0 leaves it out of the step), a filter may drop any rows
+(`Rows.select`), and every later stage works on the groups as they are. Where later capabilities go, without
+editing the other stages: a prompt filter or a rollout allocator decides the rollouts per prompt between
+"choose prompts" and "generate" (the same decision on every rank), a row filter runs after "verify"; rollouts from workers replace `InProcessRollouts` with any callable that returns on-policy `Rows`
 whose `version` is the policy that made them; a cached or parallel sampler is another `TextGenerator`-like
 object inside `InProcessRollouts` (anything with `sample(prompts, seeds) -> Samples`).
 
@@ -36,11 +39,11 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
-from dllm_rl.algo.advantages import compute_advantages
+from dllm_rl.algo.advantages import group_advantages
 from dllm_rl.algo.correction import SamplerCorrection, correction_weights, rollout_log_ratio
 from dllm_rl.algo.losses import aggregation_units, grpo_loss
 from dllm_rl.buffer import Rows, loss_inputs
-from dllm_rl.data.task import Example, Task, render_prompt, train_examples_up_to
+from dllm_rl.data.task import Example, Reward, Task, render_prompt, train_examples_up_to
 from dllm_rl.data_parallel import DataParallel
 from dllm_rl.engine import Engine
 from dllm_rl.errors import RunStopped, require
@@ -53,7 +56,7 @@ from dllm_rl.seeds import derive_seed
 
 # Metrics that count rows or prompts: added up over data-parallel ranks (every other metric is averaged).
 COUNTS = tuple(f"external/{k}" for k in ("candidates", "too_long", "truncated", "unrepresentable", "incorrect",
-                                         "prompts", "rows"))
+                                         "prompts", "rows")) + ("rollouts/on_policy",)
 
 
 @dataclass
@@ -63,7 +66,10 @@ class StepBatch:
     step: int
     examples: list[Example]  # this rank's prompts
     prompt_texts: list[str]  # as the dLLM reads them (chat template applied)
-    prompt_offset: int  # global index of examples[0] among the step's prompts
+    prompt_ids: list[int]  # each prompt's global id (`Drawn.prompt_id`): what its rows are keyed by
+    group_sizes: list[int]  # on-policy rollouts asked for each prompt (a row filter may keep fewer)
+    example_ids: list[int] = field(default_factory=list)  # each prompt's index in the train pool (`Drawn`)
+    template: str = ""  # a prompt text of the step: a rank with no prompts makes its stand-in row from it
     rows: dict[str, Rows] = field(default_factory=dict)  # per source: "on_policy" first, then "external"
     metrics: dict[str, float] = field(default_factory=dict)  # what the stages measured (external/*, ...)
 
@@ -76,9 +82,19 @@ class StepBatch:
 # ------------------------------------------------------------------------------------------ choose prompts
 
 
+@dataclass(frozen=True)
+class Drawn:
+    """One of the step's prompts, as every rank draws it."""
+
+    prompt_id: int  # its position in the run's stream of prompts: unique in a run; keys its rows and seeds
+    example_id: int  # its index in the train pool: the same example in every epoch (what curation remembers)
+    example: Example
+
+
 class PromptSource:
     """The step's prompts: the train split's first `pool` examples (all of a smaller split) in a fresh seeded
-    order every epoch, and this rank's whole groups of them. `position` (prompts consumed) is all its state (saved with checkpoints)."""
+    order every epoch; `batch` gives this rank its whole groups of them. `position` (prompts drawn) is all its
+    state (saved with checkpoints)."""
 
     def __init__(self, task: Task, tokenizer, dp: DataParallel, per_step: int, pool: int, seed: int,
                  position: int = 0):
@@ -86,20 +102,30 @@ class PromptSource:
         self.task, self.tokenizer, self.dp, self.per_step = task, tokenizer, dp, per_step
         self.seed, self.position = seed, position
 
-    def next(self, count: int) -> list[Example]:
+    def draw(self, count: int) -> list[Drawn]:
+        """The next `count` prompts of the stream (the same on every rank)."""
         out = []
         for _ in range(count):
             epoch, index = divmod(self.position, len(self.examples))
             order = list(range(len(self.examples)))
             random.Random(f"{self.seed}|epoch{epoch}").shuffle(order)
-            out.append(self.examples[order[index]])
+            out.append(Drawn(self.position, order[index], self.examples[order[index]]))
             self.position += 1
         return out
 
-    def __call__(self, step: int) -> StepBatch:
-        examples, first = self.dp.local_prompts(self.next(self.per_step))
-        texts = [render_prompt(self.task.prompt(ex), self.tokenizer) for ex in examples]
-        return StepBatch(step, examples, texts, first)
+    def __call__(self, step: int) -> list[Drawn]:
+        return self.draw(self.per_step)
+
+    def batch(self, step: int, drawn: list[Drawn], counts: list[int]) -> StepBatch:
+        """This rank's part of the step: its run of the prompts that get rollouts (`counts` per drawn prompt;
+        0 leaves one out), balanced over ranks by rollouts (`DataParallel.assign`)."""
+        require(len(counts) == len(drawn), f"{len(counts)} rollout counts for {len(drawn)} prompts")
+        kept = [(d, n) for d, n in zip(drawn, counts) if n > 0]
+        mine = [kept[i] for i in self.dp.assign([n for _, n in kept])]
+        render = lambda ex: render_prompt(self.task.prompt(ex), self.tokenizer)  # noqa: E731
+        return StepBatch(step, [d.example for d, _ in mine], [render(d.example) for d, _ in mine],
+                         [d.prompt_id for d, _ in mine], [n for _, n in mine], [d.example_id for d, _ in mine],
+                         template=render(drawn[0].example) if drawn else "")
 
 
 # ------------------------------------------------------------------------------------------ generate, verify
@@ -129,36 +155,56 @@ def inference(net: torch.nn.Module, engine: Engine, autocast: ContextManager):
 
 @dataclass
 class InProcessRollouts:
-    """G denoising rollouts per prompt from the current policy, sampled in this process. Row n of the step
-    (global numbering) draws from seed (seed, "rollout", step, n), so it does not depend on the rank or batch."""
+    """Each prompt's rollouts (`StepBatch.group_sizes`) from the current policy, sampled in this process.
+    Rollout g of the prompt with global id q draws from seed (seed, "rollout", step, q, g): not from the rank,
+    the batch, or how many rollouts other prompts get. A rank with no prompts returns a stand-in row."""
 
     generator: Any  # a TextGenerator over the policy: sample(prompts, seeds) -> Samples
     estimator: Estimator
-    group_size: int
     seed: int
     inference: Callable[[], ContextManager]
 
     def __call__(self, batch: StepBatch) -> Rows:
-        G, tokenizer, eos_id = self.group_size, self.generator.tokenizer, self.generator.eos_id
-        first = batch.prompt_offset * G
-        prompts = [text for text in batch.prompt_texts for _ in range(G)]
+        tokenizer, eos_id = self.generator.tokenizer, self.generator.eos_id
+        keys = [(b, q, g) for b, (q, n) in enumerate(zip(batch.prompt_ids, batch.group_sizes)) for g in range(n)]
+        if not keys:
+            return self.stand_in(batch)
+        prompts = [batch.prompt_texts[b] for b, _, _ in keys]
         with self.inference():
-            samples = self.generator.sample(prompts, [derive_seed(self.seed, "rollout", batch.step, first + n)
-                                                      for n in range(len(prompts))])
+            samples = self.generator.sample(prompts, [derive_seed(self.seed, "rollout", batch.step, q, g)
+                                                      for _, q, g in keys])
+        device = samples.sequences_BL.device
+        prompt_N = torch.tensor([b for b, _, _ in keys], device=device)
         batch.metrics.update({"rollout/forwards": float(samples.forwards),
-                              "rollout/distinct": distinct_share(samples.completion_BC, G),
-                              "rollout/agreement": pairwise_agreement(samples.completion_BC, G)})
+                              "rollout/distinct": distinct_share(samples.completion_BC, prompt_N),
+                              "rollout/agreement": pairwise_agreement(samples.completion_BC, prompt_N)})
         return Rows("on_policy", samples.sequences_BL, samples.attention_mask_BL, samples.prompt_length,
-                    completion_mask(samples.completion_BC, eos_id), samples.unmask_step_BC,
-                    torch.arange(len(batch.examples), device=samples.sequences_BL.device).repeat_interleave(G), [],
+                    completion_mask(samples.completion_BC, eos_id), samples.unmask_step_BC, prompt_N, [],
                     completion_texts(tokenizer, samples.completion_BC, eos_id), version=batch.step,
-                    estimator=self.estimator, sampler_logp_NC=samples.confidence_BC.clamp(min=1e-30).log())
+                    estimator=self.estimator, sampler_logp_NC=samples.confidence_BC.clamp(min=1e-30).log(),
+                    prompt_id_N=torch.tensor([q for _, q, _ in keys], device=device),
+                    rollout_N=torch.tensor([g for _, _, g in keys], device=device))
+
+    def stand_in(self, batch: StepBatch) -> Rows:
+        """One on-policy row that counts for nothing (the step's template prompt, a window of EOS): what a rank
+        that got no prompts takes every stage's calls with (ZeRO-3's forwards are collective)."""
+        tokenizer, eos_id, C = self.generator.tokenizer, self.generator.eos_id, self.generator.gen_length
+        ids_P, mask_P = self.generator.encode([batch.template], [0])[:2]
+        window_C = torch.full((1, C), eos_id, dtype=torch.long, device=ids_P.device)
+        zeros = torch.zeros(1, C, device=ids_P.device)
+        return Rows("on_policy", torch.cat([ids_P, window_C], 1), torch.cat([mask_P, torch.ones_like(window_C)], 1),
+                    ids_P.shape[1], zeros, torch.zeros_like(window_C), torch.zeros(1, dtype=torch.long,
+                    device=ids_P.device), [Reward(0.0, False, False, "stand-in")], [""], version=batch.step,
+                    estimator=self.estimator, sampler_logp_NC=zeros.clone(), adv_N=zeros[:, 0].clone(),
+                    weight_N=zeros[:, 0].clone(), inert=True,
+                    prompt_id_N=torch.full((1,), -1, device=ids_P.device), rollout_N=torch.zeros(1, dtype=torch.long,
+                    device=ids_P.device))
 
 
 def verify(batch: StepBatch, task: Task) -> None:
     """The task's verifiable reward of every row that has none yet."""
     for rows in batch.rows.values():
-        if not rows.rewards:
+        if not rows.rewards and not rows.inert:
             rows.rewards = [task.reward(text, batch.examples[int(p)]) for text, p in zip(rows.texts, rows.prompt_N)]
 
 
@@ -181,29 +227,35 @@ class ExternalRollouts:
     device: torch.device  # the policy's: where the external rows are made
 
     def __call__(self, batch: StepBatch) -> None:
-        on = batch.rows["on_policy"]
-        # cpu: the trigger is decided in Python from these flags and seeded CPU uniforms
-        correct_BG = torch.tensor([r.correct for r in on.rewards]).view(len(batch.examples), -1)
+        """External rows for the prompts that still have on-policy rows (a filter may have dropped a group)."""
+        on = batch.real("on_policy")
+        active = [] if on is None else sorted(set(on.prompt_N.tolist()))
+        correct = [[r.correct for r, p in zip(on.rewards, on.prompt_N.tolist()) if p == b] for b in active]
+        width = max(map(len, correct), default=0)
+        # cpu: the trigger is decided in Python from these flags (padded with False) and seeded CPU uniforms
+        correct_BG = torch.tensor([flags + [False] * (width - len(flags)) for flags in correct], dtype=torch.bool)
         with self.autocast:
-            rows, metrics = self.mixer.rows(step=batch.step, seed=self.seed, task=self.task, examples=batch.examples,
-                                            prompt_texts=batch.prompt_texts, correct_BG=correct_BG,
+            rows, metrics = self.mixer.rows(step=batch.step, seed=self.seed, task=self.task,
+                                            examples=[batch.examples[b] for b in active],
+                                            prompt_texts=[batch.prompt_texts[b] for b in active], correct_BG=correct_BG,
                                             tokenizer=self.tokenizer, window=self.window, eos_id=self.eos_id,
-                                            max_length=self.max_length, prompt_offset=batch.prompt_offset,
+                                            max_length=self.max_length, prompt_ids=[batch.prompt_ids[b] for b in active],
                                             widest=self.dp.widest, device=self.device)
         if rows is not None:
+            rows.prompt_N = torch.tensor(active, device=rows.prompt_N.device)[rows.prompt_N]
             batch.rows["external"] = rows
         batch.metrics.update(metrics)
 
 
 def assign_advantages(batch: StepBatch, advantage: str, mixer, dp: DataParallel) -> None:
-    """Every row's advantage: the on-policy group statistic, and with ERILS the external rows' own (the mixer's
-    `processing` and `statistic`; its running baseline moves by the mean over all ranks)."""
+    """Every row's advantage: the on-policy group statistic over each prompt's rows, whatever their number
+    (`group_advantages`), and with ERILS the external rows' own (the mixer's `processing` and `statistic`; its
+    running baseline moves by the mean over all ranks)."""
     on = batch.rows["on_policy"]
-    rewards_BG = on.rewards_N.view(len(batch.examples), -1)
-    if mixer is None:
-        on.adv_N = compute_advantages(rewards_BG, advantage).reshape(-1)
-    else:
-        mixer.assign_advantages(on, batch.rows.get("external"), rewards_BG, advantage, gather=dp.gather)
+    if mixer is not None:
+        mixer.assign_advantages(on, batch.rows.get("external"), advantage, gather=dp.gather)
+    elif not on.inert:
+        on.adv_N = group_advantages(on.rewards_N, on.prompt_N, advantage)
 
 
 # ------------------------------------------------------------------------------------------ old/ref log-probs
@@ -211,16 +263,15 @@ def assign_advantages(batch: StepBatch, advantage: str, mixer, dp: DataParallel)
 
 def score_old_and_reference(batch: StepBatch, policy, reference, iterations: int, reuse_current: bool, seed: int,
                             autocast: ContextManager, mixer=None, dp: DataParallel | None = None) -> None:
-    """Each row's estimator mask seed per inner iteration (a function of seed, step, iteration, source and global
-    row: old, reference and current policy share it), then its old and reference log-probs under those masks.
+    """Each row's estimator mask seed per inner iteration (a function of seed, step, iteration, source and the
+    row's key: old, reference and current policy share it), then its old and reference log-probs under those masks.
     With `reuse_current` (one iteration, one minibatch) the old log-probs are the current ones detached, as in
     d1. With the mixer's importance correction, the external rows' weights from their old log-probs. Scored in
     eval mode: dropout (LoRA's) would make them noisy and draw from the global RNG."""
     for source, rows in batch.rows.items():
         tag = () if source == "on_policy" else (source,)
-        start = rows.shard.start if rows.shard is not None else 0
         rows.mask_seeds = [[0] * len(rows) if rows.inert else
-                           [derive_seed(seed, "mask", batch.step, it, *tag, start + n) for n in range(len(rows))]
+                           [derive_seed(seed, "mask", batch.step, it, *tag, q, g) for q, g in rows.keys]
                            for it in range(iterations)]
     lockstep = dp.lockstep if dp is not None else None
     with torch.no_grad(), autocast, eval_mode(policy.model):
@@ -339,31 +390,51 @@ def source_metrics(rows: Rows) -> dict[str, float]:
             f"adv/{rows.source}": float(rows.adv_N.mean())}
 
 
+def flat_groups(rows: Rows) -> list[bool]:
+    """Per prompt with rows, in prompt order: whether its rewards are all equal (a group of one is flat)."""
+    rewards, prompts = rows.rewards_N.tolist(), rows.prompt_N.tolist()
+    groups: dict[int, list[float]] = {}
+    for r, p in zip(rewards, prompts):
+        groups.setdefault(p, []).append(r)
+    return [len(set(groups[p])) == 1 for p in sorted(groups)]
+
+
 def step_metrics(batch: StepBatch, learner_metrics: dict[str, float], perf: dict[str, float],
                  dp: DataParallel) -> dict[str, float]:
-    """The step's metrics, averaged over ranks (counts added up)."""
-    on, ext = batch.rows["on_policy"], batch.real("external")
-    rewards = on.rewards
-    metrics = {
-        **source_metrics(on), **(source_metrics(ext) if ext is not None else {}), **batch.metrics,
-        "reward/accuracy": sum(r.correct for r in rewards) / len(rewards),
-        "reward/format": sum(r.formatted for r in rewards) / len(rewards),
-        "reward/zero_std_groups": float((on.rewards_N.view(len(batch.examples), -1).std(-1) == 0).float().mean()),
-        **learner_metrics, **perf,
-        "perf/tokens_per_s": float(on.lengths_N.sum()) / max(perf.get("perf/rollout_s", 0.0), 1e-9),
-    }
-    return dp.mean_metrics(metrics, summed=COUNTS)
+    """The step's metrics over all ranks: counts added up, row means weighted by each rank's rows (so N ranks
+    holding uneven rows report what one process does), the rest averaged. `rollouts/on_policy` counts the
+    step's on-policy rows."""
+    on, ext = batch.real("on_policy"), batch.real("external")
+    metrics, weights = {**batch.metrics, **learner_metrics, **perf}, {}
+    metrics["rollouts/on_policy"] = float(len(on)) if on is not None else 0.0
+    for rows in (on, ext):
+        if rows is not None:
+            part = source_metrics(rows)
+            metrics.update(part)
+            weights.update(dict.fromkeys(part, float(len(rows))))
+    if on is not None:
+        rewards, flat = on.rewards, flat_groups(on)
+        metrics.update({"reward/accuracy": sum(r.correct for r in rewards) / len(rewards),
+                        "reward/format": sum(r.formatted for r in rewards) / len(rewards),
+                        "reward/zero_std_groups": sum(flat) / len(flat),
+                        "perf/tokens_per_s": float(on.lengths_N.sum()) / max(perf.get("perf/rollout_s", 0.0), 1e-9)})
+        weights.update({"reward/accuracy": len(rewards), "reward/format": len(rewards),
+                        "reward/zero_std_groups": len(flat)})
+    return dp.mean_metrics(metrics, summed=COUNTS, weights=weights)
 
 
-def sample_rows(batch: StepBatch, group_size: int) -> list[dict[str, Any]]:
+def sample_rows(batch: StepBatch) -> list[dict[str, Any]]:
     """samples.jsonl records: the first rollout of every on-policy group and every external row."""
     out = []
-    for rows, every in ((batch.real("on_policy"), group_size), (batch.real("external"), 1)):
+    for rows in (batch.real("on_policy"), batch.real("external")):
         if rows is None:
             continue
-        out += [{"source": rows.source, "version": rows.version, "prompt": batch.prompt_texts[int(rows.prompt_N[n])],
+        prompts = rows.prompt_N.tolist()
+        picked = range(len(rows)) if rows.source != "on_policy" else \
+            [n for n, p in enumerate(prompts) if p not in prompts[:n]]
+        out += [{"source": rows.source, "version": rows.version, "prompt": batch.prompt_texts[prompts[n]],
                  "completion": rows.texts[n], "reward": rows.rewards[n].score, "reason": rows.rewards[n].reason,
-                 "advantage": float(rows.adv_N[n])} for n in range(0, len(rows), every)]
+                 "advantage": float(rows.adv_N[n])} for n in picked]
     return out
 
 

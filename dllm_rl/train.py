@@ -167,7 +167,7 @@ class Run:
     tracker: Tracker
     learned: Learned
     state: dict[str, Any]  # step, data_position, bad_steps, external_baseline: saved with checkpoints
-    prompts: PromptSource  # step -> StepBatch
+    prompts: PromptSource  # step -> the step's prompts; .batch: this rank's StepBatch of them
     rollouts: Callable[[StepBatch], Rows]  # on-policy rows
     external: ExternalRollouts | None  # adds the external rows (ERILS)
     advantages: Callable[[StepBatch], None]
@@ -279,7 +279,7 @@ def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned,
     return Run(
         cfg, task, dp, run_dir, tracker, learned, state,
         prompts=prompts,
-        rollouts=InProcessRollouts(sampler, estimator, cfg.group_size, cfg.seed, generating),
+        rollouts=InProcessRollouts(sampler, estimator, cfg.seed, generating),
         external=external,
         advantages=functools.partial(assign_advantages, advantage=advantage, mixer=mixer, dp=dp),
         estimators={"on_policy": estimator, **({"external": mixer.estimator} if mixer is not None else {})},
@@ -337,9 +337,10 @@ def run_steps(run: Run) -> dict[str, float]:
 
 def run_step(run: Run, step: int, timer: PhaseTimer) -> tuple[StepBatch, dict[str, float]]:
     """One step's stages, each timed: rollouts, external rows and advantages, scoring, the update."""
-    dp = run.dp
+    cfg, dp = run.cfg, run.dp
     with timer("rollout"):
-        batch = run.prompts(step)
+        drawn = run.prompts(step)
+        batch = run.prompts.batch(step, drawn, [cfg.group_size] * len(drawn))
         batch.rows["on_policy"] = run.rollouts(batch)
         verify(batch, run.task)
     with timer("external"):
@@ -374,7 +375,7 @@ def record_step(run: Run, step: int, batch: StepBatch, metrics: dict[str, float]
         metrics.update(run.held_out())
     run.tracker.log(done, metrics)
     if cfg.sample_every > 0 and (step % cfg.sample_every == 0 or done == cfg.steps):
-        run.tracker.samples(done, sample_rows(batch, cfg.group_size))
+        run.tracker.samples(done, sample_rows(batch))
     run.print_fn(console_line(done, cfg.steps, metrics))
     if cfg.checkpoint_every > 0 and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
         synced = learner.reference.model if learner.reference is not None and cfg.ref_sync_every > 0 else None

@@ -119,7 +119,7 @@ def test_with_dropout_resume_is_exact_and_old_log_probs_are_scored_without_it(lo
             if "lora_B" in name:
                 p.normal_(0, 0.5)
     policy = dataclasses.replace(policy, model=net)
-    batch = StepBatch(0, [], [], 0, rows={"on_policy": fake_rows("on_policy", 4, C=6)})
+    batch = StepBatch(0, [], [], [], [], rows={"on_policy": fake_rows("on_policy", 4, C=6)})
     rows = batch.rows["on_policy"]
     dp = DataParallel(World(), 1, 4, 4)
     dp.shard_sources(batch.rows, {"on_policy": build_estimator({"name": "mean_field"})})

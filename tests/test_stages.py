@@ -22,8 +22,11 @@ MEAN_FIELD = build_estimator({"name": "mean_field"})
 ONE = World()
 
 
-def batch_of(examples, offset=0, step=3):
-    return StepBatch(step, list(examples), [ARITHMETIC.prompt(ex) for ex in examples], offset)
+def batch_of(examples, first_id=0, step=3, sizes=None):
+    """A batch of `examples` whose prompt ids start at `first_id`, `sizes` rollouts each (2 by default)."""
+    n = len(examples)
+    return StepBatch(step, list(examples), [ARITHMETIC.prompt(ex) for ex in examples],
+                     list(range(first_id, first_id + n)), list(sizes or [2] * n))
 
 
 def test_prompt_sources_give_each_rank_its_whole_groups_of_the_single_process_prompts(char_tokenizer):
@@ -31,25 +34,54 @@ def test_prompt_sources_give_each_rank_its_whole_groups_of_the_single_process_pr
     ranks = [PromptSource(ARITHMETIC, char_tokenizer, DataParallel(World(r, 2), 4, 2, 8), per_step=4, pool=6, seed=1)
              for r in range(2)]
     for step in range(3):  # 12 prompts from a pool of 6: two epochs, each a permutation of the pool
-        whole = single(step)
-        parts = [source(step) for source in ranks]
-        assert [p.prompt_offset for p in parts] == [0, 2] and whole.prompt_offset == 0
+        drawn = single(step)
+        whole = single.batch(step, drawn, [2] * 4)
+        parts = [source.batch(step, source(step), [2] * 4) for source in ranks]
+        assert [p.prompt_ids for p in parts] == [[4 * step, 4 * step + 1], [4 * step + 2, 4 * step + 3]]
+        assert whole.prompt_ids == [d.prompt_id for d in drawn] == list(range(4 * step, 4 * step + 4))
         assert parts[0].examples + parts[1].examples == whole.examples
         assert parts[1].prompt_texts == [ARITHMETIC.prompt(ex) for ex in whole.examples[2:]]
+        assert [single.examples[i] for i in whole.example_ids] == whole.examples
     assert single.position == ranks[1].position == 12
     single.position = 0
-    first_epoch = single.next(6)
-    assert sorted(ex.uid for ex in first_epoch) == sorted(ex.uid for ex in single.examples)
+    first_epoch = single.draw(6)
+    assert sorted(d.example_id for d in first_epoch) == list(range(6))
+    assert sorted(d.example.uid for d in first_epoch) == sorted(ex.uid for ex in single.examples)
+
+
+def test_uneven_allocations_split_over_ranks_by_rollouts(char_tokenizer):
+    """Prompts with 0 rollouts are left out; the rest go to ranks in contiguous runs balanced by rollouts, and
+    together the ranks hold the single-process batch."""
+    sources = [PromptSource(ARITHMETIC, char_tokenizer, DataParallel(World(r, 2), 4, 2, 8), per_step=5, pool=6,
+                            seed=1) for r in range(2)]
+    counts = [6, 0, 1, 1, 4]  # 12 rollouts: the first prompt's group is rank 0's share
+    parts = [source.batch(0, source(0), counts) for source in sources]
+    assert [p.prompt_ids for p in parts] == [[0], [2, 3, 4]] and [p.group_sizes for p in parts] == [[6], [1, 1, 4]]
+    assert all(p.template == parts[0].template != "" for p in parts)
+    lone = [PromptSource(ARITHMETIC, char_tokenizer, DataParallel(World(r, 2), 4, 2, 8), per_step=3, pool=6,
+                         seed=1) for r in range(2)]
+    parts = [source.batch(0, source(0), [0, 3, 0]) for source in lone]  # one group: the other rank gets none
+    assert [p.prompt_ids for p in parts] == [[], [1]] and parts[0].examples == []
 
 
 def test_rollouts_draw_each_row_from_its_global_seed_whatever_the_batch(tiny_policy, char_tokenizer):
     generator = TextGenerator(tiny_policy, char_tokenizer, gen_length=8, block_length=8, steps=4, temperature=1.0)
-    rollouts = InProcessRollouts(generator, MEAN_FIELD, group_size=2, seed=5, inference=contextlib.nullcontext)
+    rollouts = InProcessRollouts(generator, MEAN_FIELD, seed=5, inference=contextlib.nullcontext)
     examples = ARITHMETIC.examples("train", 2, 0)
     whole = rollouts(batch_of(examples))
-    second = rollouts(batch_of(examples[1:], offset=1))  # what a second rank holding prompt 1 generates
+    second = rollouts(batch_of(examples[1:], first_id=1))  # what a second rank holding prompt 1 generates
     assert torch.equal(second.ids_NL[:, -8:], whole.ids_NL[2:, -8:])
     assert whole.prompt_N.tolist() == [0, 0, 1, 1] and whole.version == 3 and whole.rewards == []
+    assert whole.keys == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    # another prompt's group size changes no rollout: prompt 0 gets 3 then 1, prompt 1 keeps its 2
+    for sizes in ([3, 2], [1, 2], [0, 2]):
+        ragged = rollouts(batch_of(examples, sizes=sizes))
+        assert ragged.keys == [(q, g) for q, n in enumerate(sizes) for g in range(n)]
+        for n, key in enumerate(ragged.keys):
+            if key in whole.keys:
+                assert torch.equal(ragged.ids_NL[n, -8:], whole.ids_NL[whole.keys.index(key), -8:]), (sizes, key)
+    third = rollouts(batch_of(examples, sizes=[3, 2])).ids_NL[2, -8:]  # rollout (0, 2): a draw of its own
+    assert not any(torch.equal(third, row) for row in whole.ids_NL[:, -8:])
     assert whole.source == "on_policy" and whole.estimator is MEAN_FIELD and whole.order_NC.shape == (4, 8)
     eos = whole.ids_NL[:, -8:] == tiny_policy.eos_id
     for n in range(4):  # the mask counts up to and including the first EOS; the text stops before it
@@ -94,12 +126,13 @@ def test_advantages_from_hand_made_rewards(make_rows):
 def test_old_and_reference_log_probs_are_scored_under_the_stored_mask_seeds(make_rows, tiny_policy):
     batch = batch_of(ARITHMETIC.examples("train", 1, 0))
     on, ext = make_rows("on_policy", 2), make_rows("external", 3, estimator=build_estimator({"name": "elbo"}))
-    on.shard, ext.shard = Shard(4, 2, 8), Shard(1, 3, 5)  # rows 4-5 and 1-3 of all ranks' rows
+    on.shard, ext.shard = Shard((4, 5), 8), Shard((1, 2, 3), 5)  # rows 4-5 and 1-3 of all ranks' rows
+    on.prompt_id_N = torch.tensor([7, 7])  # keys (7, 0), (7, 1): the seeds follow them, not the shard
     batch.rows.update(on_policy=on, external=ext)
     score_old_and_reference(batch, tiny_policy, tiny_policy, iterations=2, reuse_current=False, seed=9,
                             autocast=contextlib.nullcontext())
-    assert on.mask_seeds == [[derive_seed(9, "mask", 3, it, 4 + n) for n in range(2)] for it in range(2)]
-    assert ext.mask_seeds[1] == [derive_seed(9, "mask", 3, 1, "external", 1 + n) for n in range(3)]
+    assert on.mask_seeds == [[derive_seed(9, "mask", 3, it, 7, g) for g in range(2)] for it in range(2)]
+    assert ext.mask_seeds[1] == [derive_seed(9, "mask", 3, 1, "external", 0, g) for g in range(3)]
     for rows in (on, ext):
         for it in range(2):  # the reference here is the policy itself: the same masks give the same values
             assert torch.equal(rows.old_logp[it], rows.ref_logp[it])
@@ -168,3 +201,29 @@ def test_step_metrics_from_a_batch(make_rows):
     assert metrics["reward/on_policy"] == 0.75 and metrics["reward/accuracy"] == 0.75
     assert metrics["reward/zero_std_groups"] == 0.5 and metrics["len/on_policy"] == 3.5
     assert metrics["perf/tokens_per_s"] == 7.0 and metrics["external/rows"] == 0.0 and "reward/external" not in metrics
+    assert metrics["rollouts/on_policy"] == 4.0
+
+
+def test_ragged_groups_in_one_step_by_hand(make_rows):
+    """Groups of 0, 1, 2 and 5 rollouts in one step (prompt 1 has none), rows of a group not adjacent:
+    mean-centred advantages per group, a lone rollout 0, and the metrics over groups as they are."""
+    batch = batch_of(ARITHMETIC.examples("train", 4, 0), sizes=[1, 0, 2, 5])
+    rows = make_rows("on_policy", 8)
+    rows.prompt_N = torch.tensor([3, 0, 2, 3, 3, 2, 3, 3])
+    rows.prompt_id_N, rows.rollout_N = rows.prompt_N.clone(), torch.tensor([0, 0, 0, 1, 2, 1, 3, 4])
+    batch.rows["on_policy"] = scored(rows, [1, 1, 0, 0, 1, 1, 0, 0])
+    assign_advantages(batch, "mean", None, DataParallel(ONE, 4, 2, 8))
+    assert batch.rows["on_policy"].adv_N.tolist() == pytest.approx([0.6, 0.0, -0.5, -0.4, 0.6, 0.5, -0.4, -0.4])
+    assign_advantages(batch, "std", None, DataParallel(ONE, 4, 2, 8))
+    std = (0.4 * 0.6) ** 0.5  # prompt 3: rewards 1, 0, 1, 0, 0
+    assert batch.rows["on_policy"].adv_N.tolist() == pytest.approx(
+        [0.6 / std, 0.0, -1.0, -0.4 / std, 0.6 / std, 1.0, -0.4 / std, -0.4 / std], rel=1e-5)
+    assign_advantages(batch, "loo", None, DataParallel(ONE, 4, 2, 8))  # a lone rollout has no baseline: 0
+    assert batch.rows["on_policy"].adv_N.tolist() == pytest.approx([0.75, 0.0, -1.0, -0.5, 0.75, 1.0, -0.5, -0.5])
+    metrics = step_metrics(batch, {}, {}, DataParallel(ONE, 4, 2, 8))
+    assert metrics["reward/zero_std_groups"] == pytest.approx(1 / 3)  # the lone rollout's group is flat
+    assert metrics["rollouts/on_policy"] == 8.0
+    from dllm_rl.stages import sample_rows
+
+    samples = sample_rows(batch)  # the first row of every group that has one
+    assert [s["prompt"] for s in samples] == [batch.prompt_texts[p] for p in (3, 0, 2)]

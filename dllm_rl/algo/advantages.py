@@ -4,6 +4,14 @@ Each estimator is a pure function of one prompt's group of G rewards, vectorised
 listed in `ADVANTAGE_FNS`; `compute_advantages` picks one by name at the edge. Row-major flattening gives
 the advantage of rollout n = b * G + g, i.e. `adv_N = compute_advantages(...).reshape(-1)`.
 
+Groups of any size (`group_advantages`: rows keyed by their prompt, as a step with a rollout allocator or a
+filter has them) go through the same functions, one call per group size, so a step of equal groups gets
+bit for bit what `compute_advantages` gives. What the small groups mean:
+- a group of 0 rows has no advantages (nothing to train on);
+- a group of 1 row has no other rollout to compare with, so its advantage is 0 under every estimator (it is
+  "flat"): "mean", "std" and "maxrl" give that by their formulas, and "loo", which has no baseline for one
+  rollout, is defined as 0 there too (on equal groups it still needs G >= 2).
+
 - "mean":  A_i = r_i - mean(r)                       d1 / diffu-GRPO (arXiv 2504.12216), Dr.GRPO (2503.20783)
 - "std":   A_i = (r_i - mean(r)) / (std(r) + eps)    GRPO (DeepSeekMath, arXiv 2402.03300)
 - "maxrl": A_i = (r_i - mean(r)) / (mean(r) + eps)   MaxRL, as paired with SERA (SERA arXiv 2609.36552)
@@ -99,6 +107,28 @@ ADVANTAGE_FNS: dict[str, Callable[..., torch.Tensor]] = {
     "maxrl": maxrl,
     "loo": leave_one_out,
 }
+
+
+def group_advantages(rewards_N: torch.Tensor, group_N: torch.Tensor, name: str, **kwargs) -> torch.Tensor:
+    """adv_N for rows in groups of any size: `group_N[n]` is row n's group (its prompt); rows of a group need
+    not be adjacent. Each group size is one `compute_advantages` call over the groups of that size (rows in
+    their order within the group); groups of one row get 0 (see the module docstring)."""
+    require(rewards_N.dim() == 1 and group_N.shape == rewards_N.shape,
+            f"rewards_N and group_N: expected two 1-D tensors of one length; got {tuple(rewards_N.shape)} and "
+            f"{tuple(group_N.shape)}")
+    adv_N = _as_float(rewards_N).clone()
+    adv_N.zero_()
+    if rewards_N.numel() == 0:
+        return adv_N
+    groups, inverse_N, sizes = torch.unique(group_N, return_inverse=True, return_counts=True)
+    rows_by_group = [(inverse_N == k).nonzero().squeeze(-1) for k in range(len(groups))]
+    for size in sorted(set(sizes.tolist())):
+        if size < 2:
+            continue  # a lone rollout: advantage 0
+        members = [rows for rows in rows_by_group if len(rows) == size]
+        index_BG = torch.stack(members)
+        adv_N[index_BG.reshape(-1)] = compute_advantages(rewards_N[index_BG], name, **kwargs).reshape(-1).to(adv_N.dtype)
+    return adv_N
 
 
 def compute_advantages(rewards_BG: torch.Tensor, name: str, **kwargs) -> torch.Tensor:

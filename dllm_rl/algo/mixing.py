@@ -32,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from dllm_rl.algo.advantages import compute_advantages
+from dllm_rl.algo.advantages import group_advantages
 from dllm_rl.errors import pick, require
 
 PROCESSING = ("separate", "joint")
@@ -60,18 +60,9 @@ def triggered(correct_BG: torch.Tensor, trigger: str, *, step: int = 0, decay_st
     return uniform_B < max(0.0, 1.0 - step / decay_steps)
 
 
-def _ragged_advantages(rewards: torch.Tensor, groups: torch.Tensor, num_groups: int, advantage: str) -> torch.Tensor:
-    """The advantage estimator applied within each group of a ragged set of rows (`groups[n]` = its prompt)."""
-    adv = torch.zeros_like(rewards)
-    for b in range(num_groups):
-        rows = (groups == b).nonzero().squeeze(-1)
-        if len(rows):
-            adv[rows] = compute_advantages(rewards[rows][None], advantage)[0]
-    return adv
-
-
 def separate_advantages(
-    on_rewards_BG: torch.Tensor,
+    on_rewards_N: torch.Tensor,
+    on_prompt_N: torch.Tensor,
     ext_rewards_E: torch.Tensor,
     ext_prompt_E: torch.Tensor,
     *,
@@ -80,29 +71,30 @@ def separate_advantages(
     constant: float = 1.0,
     baseline: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(adv_on_BG, adv_ext_E). The on-policy advantages depend on `on_rewards_BG` only."""
+    """(adv_on_N, adv_ext_E) for groups of any size (rows keyed by their prompt). The on-policy advantages
+    depend on the on-policy rows only. statistic=on_policy with a prompt that has no on-policy rows compares
+    its external rows with 0."""
     pick(_choices(STATISTICS), statistic, "external statistic")
-    adv_on_BG = compute_advantages(on_rewards_BG, advantage)
+    adv_on_N = group_advantages(on_rewards_N, on_prompt_N, advantage)
     if statistic == "constant":
         adv_ext_E = constant * ext_rewards_E
     elif statistic == "group":
-        adv_ext_E = _ragged_advantages(ext_rewards_E, ext_prompt_E, on_rewards_BG.shape[0], advantage)
+        adv_ext_E = group_advantages(ext_rewards_E, ext_prompt_E, advantage)
     elif statistic == "running":
         adv_ext_E = ext_rewards_E - baseline
-    else:  # on_policy
-        adv_ext_E = ext_rewards_E - on_rewards_BG.mean(-1).to(ext_rewards_E.dtype)[ext_prompt_E]
-    return adv_on_BG, adv_ext_E
+    else:  # on_policy: the mean on-policy reward of each external row's prompt
+        same_EN = ext_prompt_E[:, None] == on_prompt_N[None, :]
+        sums_E = (same_EN * on_rewards_N[None, :].to(ext_rewards_E.dtype)).sum(-1)
+        adv_ext_E = ext_rewards_E - sums_E / same_EN.sum(-1).clamp(min=1)
+    return adv_on_N, adv_ext_E
 
 
-def joint_advantages(
-    on_rewards_BG: torch.Tensor, ext_rewards_E: torch.Tensor, ext_prompt_E: torch.Tensor, *, advantage: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """LUFFY's joint processing: prompt b's group is its G on-policy rewards plus its external ones."""
-    B, G = on_rewards_BG.shape
-    rewards = torch.cat([on_rewards_BG.reshape(-1), ext_rewards_E.to(on_rewards_BG.dtype)])
-    groups = torch.cat([torch.arange(B, device=on_rewards_BG.device).repeat_interleave(G), ext_prompt_E])
-    adv = _ragged_advantages(rewards, groups, B, advantage)
-    return adv[: B * G].view(B, G), adv[B * G :]
+def joint_advantages(on_rewards_N: torch.Tensor, on_prompt_N: torch.Tensor, ext_rewards_E: torch.Tensor,
+                     ext_prompt_E: torch.Tensor, *, advantage: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """LUFFY's joint processing: a prompt's group is its on-policy rewards plus its external ones."""
+    rewards = torch.cat([on_rewards_N, ext_rewards_E.to(on_rewards_N.dtype)])
+    adv = group_advantages(rewards, torch.cat([on_prompt_N, ext_prompt_E]), advantage)
+    return adv[: len(on_rewards_N)], adv[len(on_rewards_N):]
 
 
 def running_baseline(baseline: float, rewards_E: torch.Tensor, decay: float) -> float:

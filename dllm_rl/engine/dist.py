@@ -171,15 +171,26 @@ def all_gather_objects(obj: Any, world: World) -> list[Any]:
     return out
 
 
-def mean_metrics(metrics: dict[str, float], world: World, summed: tuple[str, ...] = ()) -> dict[str, float]:
+def mean_metrics(metrics: dict[str, float], world: World, summed: tuple[str, ...] = (),
+                 weights: dict[str, float] | None = None) -> dict[str, float]:
     """Each key averaged over the ranks that report it (ranks may lack a key, e.g. no external rows); keys
-    in `summed` (counts) are added up instead."""
+    in `summed` (counts) are added up instead; keys in `weights` (a mean over this rank's rows, weighted by
+    how many) are averaged with those weights, so they are the mean over all ranks' rows."""
     if world.size == 1:
         return metrics
-    gathered = all_gather_objects(metrics, world)
-    keys = list(dict.fromkeys(k for m in gathered for k in m))
-    values = {k: [m[k] for m in gathered if k in m] for k in keys}
-    return {k: sum(v) if k in summed else sum(v) / len(v) for k, v in values.items()}
+    gathered = all_gather_objects((metrics, weights or {}), world)
+    keys = list(dict.fromkeys(k for m, _ in gathered for k in m))
+    out = {}
+    for k in keys:
+        pairs = [(m[k], w.get(k, 1.0)) for m, w in gathered if k in m]
+        if k in summed:
+            out[k] = sum(v for v, _ in pairs)
+        elif weights is not None and k in weights:
+            total = sum(w for _, w in pairs)
+            out[k] = sum(v * w for v, w in pairs) / total if total > 0 else sum(v for v, _ in pairs) / len(pairs)
+        else:
+            out[k] = sum(v for v, _ in pairs) / len(pairs)
+    return out
 
 
 def gather_tensor(t: torch.Tensor, world: World) -> tuple[torch.Tensor, int]:

@@ -116,22 +116,22 @@ class ExternalMixer:
 
     def rows(self, *, step: int, seed: int, task: Task, examples: list[Example], prompt_texts: list[str],
              correct_BG: torch.Tensor, tokenizer, window: int, eos_id: int, max_length: int | None,
-             prompt_offset: int = 0, widest: Callable[[int], int] = lambda n: n,
+             prompt_ids: list[int] | None = None, widest: Callable[[int], int] = lambda n: n,
              device: torch.device | str = "cpu") -> tuple[Rows | None, dict[str, float]]:
         """The step's external rows (None if no prompt fired or nothing survived) and their metrics. The caller
-        sets their `mask_seeds`. `prompt_offset` is the global index of `examples[0]` among the step's prompts
-        (nonzero on data-parallel ranks > 0): trigger and source seeds depend on the global index only.
+        sets their `mask_seeds`. `prompt_ids` are the prompts' global ids (`StepBatch.prompt_ids`; default
+        0, 1, ...): trigger and source seeds depend on them only, and they key the rows.
         `widest` maps this rank's longest kept rollout to the longest over all ranks (called on every rank with
         length_rule=none), so the window, and every estimator draw shaped by it, is the single-process one.
         The rows' tensors are made on `device` (the policy's)."""
         c = self.config
+        ids = list(range(len(examples))) if prompt_ids is None else list(prompt_ids)
         # cpu: seeded uniforms, decided on in Python (the same on every device)
-        uniform_B = torch.tensor([derive_seed(seed, "trigger", step, prompt_offset + b) / 2**63
-                                  for b in range(len(examples))])
+        uniform_B = torch.tensor([derive_seed(seed, "trigger", step, q) / 2**63 for q in ids])
         fire_B = mixing.triggered(correct_BG, c.trigger, step=step, decay_steps=c.decay_steps, uniform_B=uniform_B)
         chosen = fire_B.nonzero().squeeze(-1).tolist()
         asked = c.per_prompt * c.candidates
-        seeds = [[derive_seed(seed, "external", step, prompt_offset + b, j) for j in range(asked)] for b in chosen]
+        seeds = [[derive_seed(seed, "external", step, ids[b], j) for j in range(asked)] for b in chosen]
         got = self.source.rollouts(task, [examples[b] for b in chosen], asked, seeds) if chosen else []
 
         kept: list[tuple[int, Any, Any, float | None]] = []  # (prompt, bridged, reward, behaviour logp)
@@ -173,12 +173,13 @@ class ExternalMixer:
             width = max(window, widest(max((len(i.ids) for _, i, _, _ in kept), default=0)))
         if not kept:
             return None, metrics
-        return self.to_rows(kept, prompt_texts, tokenizer, width, eos_id, max_length, device), metrics
+        return self.to_rows(kept, prompt_texts, tokenizer, width, eos_id, max_length, device, ids), metrics
 
     def to_rows(self, kept: list[tuple], prompt_texts: list[str], tokenizer, width: int, eos_id: int,
-                max_length: int | None, device: torch.device | str = "cpu") -> Rows:
+                max_length: int | None, device: torch.device | str = "cpu", prompt_ids: list[int] | None = None) -> Rows:
         """The kept (prompt, bridged, reward, behaviour logp) tuples as buffer rows on `device`: each prompt in
-        the dLLM's tokens, left-padded, then a completion window of `width` holding the text and EOS fill."""
+        the dLLM's tokens, left-padded, then a completion window of `width` holding the text and EOS fill; keyed
+        by (the prompt's global id, the row's index among that prompt's kept rows)."""
         encoded = [tokenizer(prompt_texts[b], add_special_tokens=False)["input_ids"] for b, *_ in kept]
         ids_EP, mask_EP = left_pad(encoded, tokenizer.pad_token_id, device)
         P = ids_EP.shape[1]
@@ -196,6 +197,7 @@ class ExternalMixer:
             mask_NC=completion_mask(window_EC, eos_id),
             order_NC=None,
             prompt_N=torch.tensor([b for b, *_ in kept], device=device),
+            prompt_id_N=torch.tensor([b if prompt_ids is None else prompt_ids[b] for b, *_ in kept], device=device),
             rewards=[rw for _, _, rw, _ in kept],
             texts=[i.text for _, i, _, _ in kept],
             version=-1,
@@ -207,21 +209,25 @@ class ExternalMixer:
 
     # ------------------------------------------------------------------------------------ advantages
 
-    def assign_advantages(self, on: Rows, ext: Rows | None, rewards_BG: torch.Tensor, advantage: str,
-                          gather: Gather = local_only) -> None:
-        """Set `adv_N` (and `weight_N` of the external rows) for the step, per `processing` and `statistic`.
-        The running baseline moves by the mean over all ranks' external rewards (`gather`)."""
+    def assign_advantages(self, on: Rows, ext: Rows | None, advantage: str, gather: Gather = local_only) -> None:
+        """Set `adv_N` (and `weight_N` of the external rows) for the step, per `processing` and `statistic`,
+        over each prompt's rows whatever their number. The running baseline moves by the mean over all ranks'
+        external rewards (`gather`; every rank calls this, its on-policy rows a stand-in where it has none)."""
         c = self.config
-        device = rewards_BG.device
+        device = on.ids_NL.device
+        on_rewards = on.rewards_N[:0] if on.inert else on.rewards_N
+        on_prompt = on.prompt_N[:0] if on.inert else on.prompt_N
         ext_rewards = ext.rewards_N if ext is not None else torch.zeros(0, device=device)
         ext_prompt = ext.prompt_N if ext is not None else torch.zeros(0, dtype=torch.long, device=device)
         if c.processing == "joint":
-            adv_on_BG, adv_ext = mixing.joint_advantages(rewards_BG, ext_rewards, ext_prompt, advantage=advantage)
+            adv_on, adv_ext = mixing.joint_advantages(on_rewards, on_prompt, ext_rewards, ext_prompt,
+                                                      advantage=advantage)
         else:
-            adv_on_BG, adv_ext = mixing.separate_advantages(rewards_BG, ext_rewards, ext_prompt, advantage=advantage,
-                                                            statistic=c.statistic, constant=c.constant,
-                                                            baseline=self.baseline)
-        on.adv_N = adv_on_BG.reshape(-1)
+            adv_on, adv_ext = mixing.separate_advantages(on_rewards, on_prompt, ext_rewards, ext_prompt,
+                                                         advantage=advantage, statistic=c.statistic,
+                                                         constant=c.constant, baseline=self.baseline)
+        if not on.inert:
+            on.adv_N = adv_on
         if ext is not None:
             ext.adv_N = adv_ext.to(torch.float32)
             ext.weight_N = torch.full((len(ext),), c.weight, device=device)

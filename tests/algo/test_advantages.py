@@ -109,3 +109,25 @@ def test_rejects_unknown_keyword():
 def test_leave_one_out_needs_two_rollouts():
     with pytest.raises(ConfigError, match="G=1"):
         compute_advantages(torch.zeros(3, 1), "loo")
+
+
+@pytest.mark.parametrize("name", sorted(ADVANTAGE_FNS))
+def test_groups_of_any_size_match_the_equal_group_estimator(name):
+    """Equal groups give bit for bit what compute_advantages gives (to rounding when rows come shuffled); in a ragged
+    step each group gets the estimator of its own rows; a lone rollout gets 0; no rows, no advantages."""
+    from dllm_rl.algo.advantages import group_advantages
+
+    rewards_BG = torch.tensor([[0.0, 1.0, 1.0], [0.2, 0.2, 0.9], [1.0, 1.0, 1.0], [0.5, 0.0, 0.25]])
+    group_N = torch.arange(4).repeat_interleave(3)
+    assert torch.equal(group_advantages(rewards_BG.reshape(-1), group_N, name),
+                       compute_advantages(rewards_BG, name).reshape(-1))
+    shuffle = torch.randperm(12, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(group_advantages(rewards_BG.reshape(-1)[shuffle], group_N[shuffle], name),
+                               compute_advantages(rewards_BG, name).reshape(-1)[shuffle])  # sums in another order
+    rewards_N = torch.tensor([0.0, 1.0, 0.7, 0.3, 1.0, 0.0, 0.5])
+    ragged_N = torch.tensor([7, 7, 2, 9, 9, 9, 9])  # groups of 2, 1 and 4
+    got = group_advantages(rewards_N, ragged_N, name)
+    assert torch.equal(got[:2], compute_advantages(rewards_N[None, :2], name)[0])
+    assert got[2] == 0
+    assert torch.equal(got[3:], compute_advantages(rewards_N[None, 3:], name)[0])
+    assert group_advantages(torch.zeros(0), torch.zeros(0, dtype=torch.long), name).shape == (0,)

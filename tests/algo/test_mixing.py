@@ -11,13 +11,14 @@ from dllm_rl.algo.mixing import (importance_weights, joint_advantages, running_b
 from dllm_rl.errors import ConfigError
 
 ON_BG = torch.tensor([[0.0, 0.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]])  # prompt 0: mean 0.5; prompt 1: all failed
+ON = (ON_BG.reshape(-1), torch.arange(2).repeat_interleave(4))  # as rows: rewards_N, prompt_N
 
 
 def test_separate_processing_leaves_on_policy_advantages_bit_identical():
-    alone, _ = separate_advantages(ON_BG, torch.zeros(0), torch.zeros(0, dtype=torch.long), advantage="std",
+    alone, _ = separate_advantages(*ON, torch.zeros(0), torch.zeros(0, dtype=torch.long), advantage="std",
                                    statistic="group")
     for statistic in ("constant", "group", "running", "on_policy"):
-        with_ext, _ = separate_advantages(ON_BG, torch.tensor([1.0, 1.0, 0.0]), torch.tensor([0, 1, 1]),
+        with_ext, _ = separate_advantages(*ON, torch.tensor([1.0, 1.0, 0.0]), torch.tensor([0, 1, 1]),
                                           advantage="std", statistic=statistic, baseline=0.3)
         assert torch.equal(alone, with_ext)
 
@@ -26,25 +27,38 @@ def test_external_statistics_hand_values():
     ext, prompt = torch.tensor([1.0, 1.0, 0.0]), torch.tensor([0, 1, 1])
     args = dict(advantage="mean")
     # constant: 2 * r
-    assert separate_advantages(ON_BG, ext, prompt, statistic="constant", constant=2.0, **args)[1].tolist() == [2, 2, 0]
+    assert separate_advantages(*ON, ext, prompt, statistic="constant", constant=2.0, **args)[1].tolist() == [2, 2, 0]
     # group: prompt 0 has one external row -> its own group -> 0; prompt 1: [1, 0] - 0.5 = [0.5, -0.5]
-    assert separate_advantages(ON_BG, ext, prompt, statistic="group", **args)[1].tolist() == [0.0, 0.5, -0.5]
+    assert separate_advantages(*ON, ext, prompt, statistic="group", **args)[1].tolist() == [0.0, 0.5, -0.5]
     # running: r - 0.25
-    assert separate_advantages(ON_BG, ext, prompt, statistic="running", baseline=0.25, **args)[1].tolist() == [
+    assert separate_advantages(*ON, ext, prompt, statistic="running", baseline=0.25, **args)[1].tolist() == [
         0.75, 0.75, -0.25]
     # on_policy: r - mean of the prompt's on-policy rewards (0.5 and 0.0)
-    assert separate_advantages(ON_BG, ext, prompt, statistic="on_policy", **args)[1].tolist() == [0.5, 1.0, 0.0]
+    assert separate_advantages(*ON, ext, prompt, statistic="on_policy", **args)[1].tolist() == [0.5, 1.0, 0.0]
 
 
 def test_joint_processing_pools_the_groups():
     ext, prompt = torch.tensor([1.0]), torch.tensor([1])
-    on, adv_ext = joint_advantages(ON_BG, ext, prompt, advantage="mean")
+    on, adv_ext = joint_advantages(*ON, ext, prompt, advantage="mean")
     # prompt 0 has no external row: unchanged, r - 0.5. Prompt 1: [0, 0, 0, 0, 1] has mean 0.2.
-    assert on[0].tolist() == [-0.5, -0.5, 0.5, 0.5]
-    torch.testing.assert_close(on[1], torch.full((4,), -0.2))
+    assert on[:4].tolist() == [-0.5, -0.5, 0.5, 0.5]
+    torch.testing.assert_close(on[4:], torch.full((4,), -0.2))
     torch.testing.assert_close(adv_ext, torch.tensor([0.8]))
-    separate, _ = separate_advantages(ON_BG, ext, prompt, advantage="mean", statistic="constant")
+    separate, _ = separate_advantages(*ON, ext, prompt, advantage="mean", statistic="constant")
     assert not torch.equal(on, separate)  # joint processing changes the on-policy advantages
+
+
+def test_ragged_groups_hand_values():
+    """Prompt 0 has three on-policy rows, prompt 1 one, prompt 2 none (only an external row), in mixed order."""
+    on_rewards, on_prompt = torch.tensor([1.0, 0.0, 0.0, 1.0]), torch.tensor([0, 1, 0, 0])
+    ext, ext_prompt = torch.tensor([1.0, 1.0, 0.0]), torch.tensor([1, 2, 2])
+    adv_on, adv_ext = separate_advantages(on_rewards, on_prompt, ext, ext_prompt, advantage="mean",
+                                          statistic="on_policy")
+    assert adv_on.tolist() == pytest.approx([1 / 3, 0.0, -2 / 3, 1 / 3])  # a lone rollout: 0
+    assert adv_ext.tolist() == [1.0, 1.0, 0.0]  # prompt 1's mean is 0; prompt 2 has none: compared with 0
+    adv_on, adv_ext = joint_advantages(on_rewards, on_prompt, ext, ext_prompt, advantage="mean")
+    assert adv_on.tolist() == pytest.approx([1 / 3, -0.5, -2 / 3, 1 / 3])  # prompt 1 pools [0, 1]: mean 0.5
+    assert adv_ext.tolist() == pytest.approx([0.5, 0.5, -0.5])
 
 
 def test_triggers():

@@ -100,10 +100,15 @@ def test_the_temperature_floor_raises_a_lower_temperature_only(tiny_policy, char
 
 def test_diversity_metrics_by_hand():
     completions = torch.tensor([[1, 2], [1, 2], [3, 4], [5, 6], [5, 7], [8, 6]])
-    assert distinct_share(completions, 3) == pytest.approx(5 / 6)  # groups: 2 distinct of 3, 3 of 3
+    assert distinct_share(completions, torch.tensor([0, 0, 0, 1, 1, 1])) == pytest.approx(5 / 6)  # groups: 2 distinct of 3, 3 of 3
     # group 1: pairs agree 1, 0, 0 -> 1/3; group 2: (5,6)-(5,7) 1/2, (5,6)-(8,6) 1/2, (5,7)-(8,6) 0 -> 1/3
-    assert pairwise_agreement(completions, 3) == pytest.approx(1 / 3)
-    assert pairwise_agreement(torch.tensor([[1, 2], [1, 2]]), 2) == 1.0
+    assert pairwise_agreement(completions, torch.tensor([0, 0, 0, 1, 1, 1])) == pytest.approx(1 / 3)
+    assert pairwise_agreement(torch.tensor([[1, 2], [1, 2]]), torch.tensor([4, 4])) == 1.0
+    # groups of any size, rows in any order: {0: (1,2),(1,3)} agree 1/2; {5: (4,4)} has no pair; {2: 3 rows} 1/3
+    ragged = torch.tensor([[1, 2], [5, 6], [4, 4], [1, 3], [5, 7], [8, 6]])
+    group_N = torch.tensor([0, 2, 5, 0, 2, 2])
+    assert distinct_share(ragged, group_N) == 1.0
+    assert pairwise_agreement(ragged, group_N) == pytest.approx((1 / 2 + 1 / 3) / 2)
 
 
 def test_training_with_parallel_decoding_logs_forwards_and_diversity(saved_model, tmp_path):
