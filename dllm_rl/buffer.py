@@ -109,6 +109,35 @@ class Rows:
         return self.score(policy, torch.arange(len(self), device=self.ids_NL.device), iteration, lockstep)[0]
 
 
+def concat_rows(parts: list[Rows], pad_id: int) -> Rows:
+    """One source's rows of several generation rounds as one `Rows`, in order: prompts left-padded (with
+    `pad_id`, attention 0) to the widest round's, windows equal. `prompt_N` is kept as given (the caller
+    re-indexes it to the merged prompts); rows not sharded or scored yet."""
+    first = parts[0]
+    require(all(p.source == first.source and p.shard is None and not p.mask_seeds for p in parts),
+            "rows are concatenated before they are sharded and scored, one source at a time")
+    require(len({p.mask_NC.shape[1] for p in parts}) == 1, "rows of one source share a completion window")
+    P = max(p.prompt_length for p in parts)
+
+    def widen(t: torch.Tensor, rows: Rows, fill: int) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (P - rows.prompt_length, 0), value=fill)
+
+    def cat(name: str) -> torch.Tensor | None:
+        values = [getattr(p, name) for p in parts]
+        if all(v is None for v in values):
+            return None
+        require(all(v is not None for v in values), f"rows of one source all have {name} or none do")
+        return torch.cat(values)
+
+    return dataclasses.replace(
+        first, ids_NL=torch.cat([widen(p.ids_NL, p, pad_id) for p in parts]),
+        attention_mask_NL=torch.cat([widen(p.attention_mask_NL, p, 0) for p in parts]), prompt_length=P,
+        mask_NC=cat("mask_NC"), order_NC=cat("order_NC"), prompt_N=cat("prompt_N"),
+        rewards=[r for p in parts for r in p.rewards], texts=[t for p in parts for t in p.texts],
+        behaviour_logp_N=cat("behaviour_logp_N"), sampler_logp_NC=cat("sampler_logp_NC"), adv_N=cat("adv_N"),
+        weight_N=cat("weight_N"), prompt_id_N=cat("prompt_id_N"), rollout_N=cat("rollout_N"))
+
+
 def order_within_groups(group_N: torch.Tensor) -> torch.Tensor:
     """rank_N: each row's index among the rows of its group that come before it (0, 1, ... per group)."""
     same_NN = group_N[:, None] == group_N[None, :]

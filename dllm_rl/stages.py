@@ -31,6 +31,7 @@ a stage that needs a global index reads it from `Rows.shard` or asks the `DataPa
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 import re
 import warnings
@@ -42,7 +43,8 @@ import torch
 from dllm_rl.algo.advantages import group_advantages
 from dllm_rl.algo.correction import SamplerCorrection, correction_weights, rollout_log_ratio
 from dllm_rl.algo.losses import aggregation_units, grpo_loss
-from dllm_rl.buffer import Rows, loss_inputs
+from dllm_rl.buffer import Rows, concat_rows, loss_inputs
+from dllm_rl.curation import Curation, GroupRecord
 from dllm_rl.data.task import Example, Reward, Task, render_prompt, train_examples_up_to
 from dllm_rl.data_parallel import DataParallel
 from dllm_rl.engine import Engine
@@ -72,6 +74,8 @@ class StepBatch:
     template: str = ""  # a prompt text of the step: a rank with no prompts makes its stand-in row from it
     rows: dict[str, Rows] = field(default_factory=dict)  # per source: "on_policy" first, then "external"
     metrics: dict[str, float] = field(default_factory=dict)  # what the stages measured (external/*, ...)
+    visits: list[GroupRecord] = field(default_factory=list)  # every group this rank generated (curation learns)
+    darts_changed: dict[int, bool] = field(default_factory=dict)  # prompt id -> DARTS's extras changed its group
 
     def real(self, source: str) -> Rows | None:
         """A source's rows, or None where this rank has none (or only a data-parallel stand-in)."""
@@ -188,7 +192,7 @@ class InProcessRollouts:
     def stand_in(self, batch: StepBatch) -> Rows:
         """One on-policy row that counts for nothing (the step's template prompt, a window of EOS): what a rank
         that got no prompts takes every stage's calls with (ZeRO-3's forwards are collective)."""
-        tokenizer, eos_id, C = self.generator.tokenizer, self.generator.eos_id, self.generator.gen_length
+        eos_id, C = self.generator.eos_id, self.generator.gen_length
         ids_P, mask_P = self.generator.encode([batch.template], [0])[:2]
         window_C = torch.full((1, C), eos_id, dtype=torch.long, device=ids_P.device)
         zeros = torch.zeros(1, C, device=ids_P.device)
@@ -206,6 +210,102 @@ def verify(batch: StepBatch, task: Task) -> None:
     for rows in batch.rows.values():
         if not rows.rewards and not rows.inert:
             rows.rewards = [task.reward(text, batch.examples[int(p)]) for text, p in zip(rows.texts, rows.prompt_N)]
+
+
+def group_records(batch: StepBatch) -> list[GroupRecord]:
+    """One record per prompt of the batch that has on-policy rows: what curation learns from."""
+    on = batch.real("on_policy")
+    if on is None:
+        return []
+    prompts = on.prompt_N.tolist()
+    return [GroupRecord(batch.prompt_ids[b], batch.example_ids[b] if batch.example_ids else batch.prompt_ids[b],
+                        [on.rewards[n].score for n in range(len(on)) if prompts[n] == b],
+                        [on.rewards[n].correct for n in range(len(on)) if prompts[n] == b],
+                        changed=batch.darts_changed.get(batch.prompt_ids[b], False))
+            for b in sorted(set(prompts))]
+
+
+def merge_batches(first: StepBatch, later: StepBatch, pad_id: int) -> StepBatch:
+    """Two generation rounds of one step (dynamic sampling) as one batch: the prompts one after the other, the
+    on-policy rows of both (prompts re-padded to the wider round), rollout metrics over both."""
+    offset = len(first.examples)
+    mine, theirs = first.real("on_policy"), later.real("on_policy")
+    if theirs is not None:
+        theirs.prompt_N = theirs.prompt_N + offset
+    parts = [r for r in (mine, theirs) if r is not None]
+    rows = concat_rows(parts, pad_id) if parts else first.rows["on_policy"]
+    n1, n2 = len(mine or []), len(theirs or [])
+    metrics = dict(first.metrics)
+    for key, value in later.metrics.items():
+        if key == "rollout/forwards":
+            metrics[key] = metrics.get(key, 0.0) + value
+        elif key in metrics and n1 + n2 > 0:  # a mean over rows (diversity): weighted by each round's rows
+            metrics[key] = (metrics[key] * n1 + value * n2) / (n1 + n2)
+        else:
+            metrics[key] = value
+    return StepBatch(first.step, first.examples + later.examples, first.prompt_texts + later.prompt_texts,
+                     first.prompt_ids + later.prompt_ids, first.group_sizes + later.group_sizes,
+                     first.example_ids + later.example_ids, first.template, {"on_policy": rows}, metrics,
+                     first.visits + later.visits, {**first.darts_changed, **later.darts_changed})
+
+
+@dataclass
+class CollectRollouts:
+    """Choose prompts, allocate their rollouts, generate, select and verify: one round, or (dynamic sampling)
+    rounds until the step has its groups that teach. Every decision is taken alike on every rank (the curation
+    strategies' allocations are functions of the drawn prompts; dynamic sampling's from every rank's groups)."""
+
+    prompts: PromptSource
+    rollouts: InProcessRollouts
+    task: Task
+    curation: Curation
+    dp: DataParallel
+    pad_id: int
+
+    def __call__(self, step: int) -> StepBatch:
+        cur = self.curation
+        cur.begin()
+        drawn, batch = self.prompts(step), None
+        while drawn:
+            part = self.prompts.batch(step, drawn, cur.allocate(step, drawn))
+            part.rows["on_policy"] = self.rollouts(part)
+            cur.select(part)
+            verify(part, self.task)
+            part.visits = group_records(part)
+            batch = part if batch is None else merge_batches(batch, part, self.pad_id)
+            informative = self.informative(batch) if cur.dynamic is not None else []
+            drawn = self.prompts.draw(cur.more(informative))
+        keep = cur.keep(self.informative(batch)) if cur.dynamic is not None else None
+        if keep is not None:
+            self.keep_groups(batch, keep)
+        if cur.on:
+            batch.metrics.update(cur.metrics())
+        return batch
+
+    def informative(self, batch: StepBatch) -> list[tuple[int, bool]]:
+        """(prompt id, rewards differ) of every rank's groups so far, in prompt id order."""
+        mine = [(v.prompt_id, len(set(v.rewards)) > 1) for v in batch.visits]
+        return sorted(x for part in self.dp.gather_objects(mine) for x in part)
+
+    def keep_groups(self, batch: StepBatch, keep: set[int]) -> None:
+        on = batch.real("on_policy")
+        if on is None:
+            return
+        keep_N = torch.tensor([q in keep for q in on.prompt_id_N.tolist()], dtype=torch.bool,
+                              device=on.ids_NL.device)
+        self.curation.counters["rows_dropped"] += len(on) - int(keep_N.sum())
+        batch.rows["on_policy"] = on.select(keep_N) if bool(keep_N.any()) else self.rollouts.stand_in(batch)
+
+
+def observe_curation(batch: StepBatch, curation: Curation, dp: DataParallel) -> None:
+    """After the external rows: every rank's groups of the step (with their kept external rows) to the
+    curation strategies, which update their state alike on every rank."""
+    if not curation.on:
+        return
+    ext = batch.real("external")
+    external = {} if ext is None else {q: ext.prompt_id_N.tolist().count(q) for q in set(ext.prompt_id_N.tolist())}
+    mine = [dataclasses.replace(v, external=external.get(v.prompt_id, 0)) for v in batch.visits]
+    curation.observe([record for part in dp.gather_objects(mine) for record in part])
 
 
 # ------------------------------------------------------------------------------------------ external, advantages

@@ -45,7 +45,6 @@ import torch
 from tqdm import tqdm
 
 from dllm_rl.algo.correction import SamplerCorrection
-from dllm_rl.buffer import Rows
 from dllm_rl.checkpoint import (complete_checkpoints, latest_checkpoint, load_trainer_state, resumable_checkpoint,
                                 save_checkpoint)
 from dllm_rl.data.task import Task, describe_splits
@@ -63,8 +62,10 @@ from dllm_rl.precision import resolve_bf16
 from dllm_rl.seeds import derive_seed
 from dllm_rl.resume import decide_resume, read_run_config, record_resume, with_absolute_paths, write_run_config
 from dllm_rl.rollout.generate import TextGenerator
-from dllm_rl.stages import (ExternalRollouts, HeldOut, InProcessRollouts, Learner, PromptSource,
-                            SamplerCorrectionStage, StepBatch, assign_advantages, inference, sample_rows, score_old_and_reference, step_metrics, verify)
+from dllm_rl.curation import Curation, build_curation
+from dllm_rl.stages import (CollectRollouts, ExternalRollouts, HeldOut, InProcessRollouts, Learner, PromptSource,
+                            SamplerCorrectionStage, StepBatch, assign_advantages, inference, observe_curation,
+                            sample_rows, score_old_and_reference, step_metrics)
 from dllm_rl.tracking import NullTracker, PhaseTimer, Tracker, console_line, run_header
 from dllm_rl.train_config import TrainConfig, engine_options, split_algo
 
@@ -167,8 +168,9 @@ class Run:
     tracker: Tracker
     learned: Learned
     state: dict[str, Any]  # step, data_position, bad_steps, external_baseline: saved with checkpoints
-    prompts: PromptSource  # step -> the step's prompts; .batch: this rank's StepBatch of them
-    rollouts: Callable[[StepBatch], Rows]  # on-policy rows
+    prompts: PromptSource  # the stream of train prompts (its position is saved with checkpoints)
+    collect: Callable[[int], StepBatch]  # step -> this rank's batch: prompts, allocation, on-policy rows, rewards
+    curation: Curation  # which prompts get rollouts and how many, which stay (its state is saved with checkpoints)
     external: ExternalRollouts | None  # adds the external rows (ERILS)
     advantages: Callable[[StepBatch], None]
     estimators: dict[str, Any]  # the sources this run can have -> the estimator that scores them
@@ -232,7 +234,7 @@ def setup(task: Task, cfg: TrainConfig, print_fn, saved_config: dict | None, all
         print_fn(f"resume: {run_dir} has no checkpoint yet (it stopped before its first); starting it again")
     learned = load_learner(cfg, world, ds_options, checkpoint, with_reference=loss_options.get("beta", 0.0) > 0,
                            device=device)
-    state = {"step": 0, "data_position": 0, "bad_steps": 0, "external_baseline": 0.0}
+    state = {"step": 0, "data_position": 0, "bad_steps": 0, "external_baseline": 0.0, "curation": {}}
     if checkpoint is not None:
         state = {**state, **load_trainer_state(checkpoint, learned.engine, learned.scheduler)}
     resumed_at = state["step"] if checkpoint is not None else (-1 if restart else None)  # logs are cut back to it
@@ -265,6 +267,9 @@ def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned,
     prompts = PromptSource(task, tokenizer, dp, cfg.prompts_per_step, cfg.train_pool, cfg.seed, state["data_position"])
     if mixer is not None:
         mixer.check_source(prompts.examples, print_fn)
+    curation = build_curation(cfg.curation, group_size=cfg.group_size, prompts_per_step=cfg.prompts_per_step,
+                              seed=cfg.seed, pool_size=len(prompts.examples), external=mixer is not None)
+    curation.load_state_dict(state["curation"])
     generating = lambda: inference(learned.net, engine, autocast)  # noqa: E731
     sampler = TextGenerator(policy, tokenizer, **cfg.sampler)
     greedy = TextGenerator(policy, tokenizer, **held_out_settings(cfg.sampler))
@@ -279,7 +284,9 @@ def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned,
     return Run(
         cfg, task, dp, run_dir, tracker, learned, state,
         prompts=prompts,
-        rollouts=InProcessRollouts(sampler, estimator, cfg.seed, generating),
+        collect=CollectRollouts(prompts, InProcessRollouts(sampler, estimator, cfg.seed, generating), task, curation,
+                                dp, pad_id=tokenizer.pad_token_id),
+        curation=curation,
         external=external,
         advantages=functools.partial(assign_advantages, advantage=advantage, mixer=mixer, dp=dp),
         estimators={"on_policy": estimator, **({"external": mixer.estimator} if mixer is not None else {})},
@@ -337,16 +344,14 @@ def run_steps(run: Run) -> dict[str, float]:
 
 def run_step(run: Run, step: int, timer: PhaseTimer) -> tuple[StepBatch, dict[str, float]]:
     """One step's stages, each timed: rollouts, external rows and advantages, scoring, the update."""
-    cfg, dp = run.cfg, run.dp
+    dp = run.dp
     with timer("rollout"):
-        drawn = run.prompts(step)
-        batch = run.prompts.batch(step, drawn, [cfg.group_size] * len(drawn))
-        batch.rows["on_policy"] = run.rollouts(batch)
-        verify(batch, run.task)
+        batch = run.collect(step)  # choose prompts, allocate, generate, select, verify (rounds: dynamic sampling)
     with timer("external"):
         if run.external is not None:
             run.external(batch)
         run.advantages(batch)
+        observe_curation(batch, run.curation, dp)
     with timer("score"):
         dp.shard_sources(batch.rows, run.estimators)
         run.score(batch)
@@ -370,7 +375,8 @@ def record_step(run: Run, step: int, batch: StepBatch, metrics: dict[str, float]
     a checkpoint."""
     cfg, state, learner, done = run.cfg, run.state, run.learner, step + 1
     state.update(step=done, data_position=run.prompts.position, bad_steps=learner.bad_steps,
-                 external_baseline=run.mixer.baseline if run.mixer is not None else 0.0)
+                 external_baseline=run.mixer.baseline if run.mixer is not None else 0.0,
+                 curation=run.curation.state_dict())
     if cfg.eval_every > 0 and (done % cfg.eval_every == 0 or done == cfg.steps):
         metrics.update(run.held_out())
     run.tracker.log(done, metrics)

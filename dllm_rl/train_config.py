@@ -2,8 +2,8 @@
 
 The defaults are those of `configs/train.yaml` (a test composes the YAML and compares), so a script that calls
 `train()` runs the trainer that `dllm-rl train` runs. Each field is documented in the YAML, where users read
-it. The eight config groups (`rollout`, `likelihood`, `algo`, `external`, `deepspeed`, `mixing`, `lora`,
-`sampler_correction`) stay plain dicts: their keys depend on the option chosen (an estimator's options, an external source's). `check_groups`
+it. The config groups (`rollout`, `likelihood`, `algo`, `external`, `deepspeed`, `mixing`, `lora`,
+`sampler_correction`, `logger`, `curation`) stay plain dicts: their keys depend on the option chosen (an estimator's options, an external source's). `check_groups`
 checks each by name, type and range with the same functions that later build it (`build_estimator`,
 `check_sampler_settings`, `split_algo`, `MixingConfig`, ...), so a bad value fails before anything loads.
 
@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from dllm_rl.curation import check_curation
 from dllm_rl.tracking import check_logger
 from dllm_rl.algo.advantages import ADVANTAGE_FNS
 from dllm_rl.algo.correction import SamplerCorrection
@@ -47,6 +48,7 @@ GROUP_DEFAULTS: dict[str, dict[str, Any]] = {
     "lora": dict(LORA_DEFAULTS),
     "sampler_correction": dataclasses.asdict(SamplerCorrection()),
     "logger": {"name": "tensorboard"},
+    "curation": {},  # none: every prompt gets group_size rollouts (dllm_rl/curation/)
 }
 
 
@@ -92,6 +94,7 @@ class TrainConfig:
     lora: dict[str, Any] = _group("lora")
     sampler_correction: dict[str, Any] = _group("sampler_correction")
     logger: dict[str, Any] = _group("logger")
+    curation: dict[str, Any] = _group("curation")
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> TrainConfig:
@@ -135,6 +138,7 @@ class TrainConfig:
         engine_options(self.deepspeed)
         self.lora = check_lora(self.lora)
         check_logger(self.logger)
+        check_curation(self.curation)
         check_kwargs(SamplerCorrection, self.sampler_correction, "sampler_correction")
         SamplerCorrection(**self.sampler_correction)
         require(not (self.lora["r"] > 0 and self.ref_sync_every > 0),

@@ -1,0 +1,362 @@
+"""The curation strategies' state and their place in the step (see dllm_rl/curation/__init__.py).
+
+`Curation` is what the step talks to; each strategy implements the hooks it needs:
+- `allocate(step, drawn, counts)`: rollouts per drawn prompt (0 = none), before generating; the same on every
+  rank (a function of the drawn prompts, the state and seeds);
+- `select(batch)`: this rank's freshly generated rows (whole groups), before verifying: rows to keep, weights;
+- `observe(records)`: every rank's groups of the step (`GroupRecord`, gathered, in prompt id order);
+- `state_dict()` / `load_state_dict()`: plain values, saved with every checkpoint.
+Dynamic sampling is not a hook of one batch but the loop around them (`more`, `finish`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dllm_rl.curation import darts, dynamic_sampling, greso, sera
+from dllm_rl.errors import check_kwargs, check_types
+from dllm_rl.seeds import derive_seed
+
+
+@dataclass
+class GroupRecord:
+    """One prompt's group of a step, as every rank learns about it (plain data)."""
+
+    prompt_id: int
+    example_id: int
+    rewards: list[float]
+    correct: list[bool]
+    external: int = 0  # kept external rows of the prompt (ERILS)
+    changed: bool = False  # DARTS: the extra rollouts changed the kept set
+
+
+def config_of(cls, options: dict[str, Any], name: str):
+    check_kwargs(cls, options, f"curation.{name}")
+    check_types(cls, options, f"curation.{name}")
+    return cls(**options)
+
+
+class Strategy:
+    name = ""
+    config_class: Any = None
+
+    @classmethod
+    def check(cls, options: dict[str, Any]):
+        return config_of(cls.config_class, options, cls.name)
+
+    @classmethod
+    def build(cls, options: dict[str, Any], **context) -> Strategy:
+        return cls(cls.check(options), **context)
+
+    def allocate(self, step: int, drawn: list, counts: list[int]) -> list[int]:
+        return counts
+
+    def select(self, batch) -> None:
+        pass
+
+    def observe(self, records: list[GroupRecord]) -> None:
+        pass
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def epoch_of(prompt_id: int, pool_size: int) -> int:
+    return prompt_id // pool_size
+
+
+# ------------------------------------------------------------------------------------------ GRESO
+
+
+class Greso(Strategy):
+    """Skip a prompt before rollout with probability 1 - max(p^k, floor) (dllm_rl/curation/greso.py)."""
+
+    name, config_class = "greso", greso.GresoConfig
+
+    def __init__(self, config: greso.GresoConfig, *, group_size: int, seed: int, pool_size: int,
+                 external: bool = False):
+        self.config, self.seed, self.pool_size = config, seed, pool_size
+        self.exempt = config.exempt_external and external
+        self.p = {"easy": config.p_start, "hard": config.p_start}
+        self.streak: dict[int, int] = {}  # example id -> flat visits in a row
+        self.kind: dict[int, str] = {}  # example id -> the kind of its last flat group
+        self.epochs: dict[int, list[int]] = {}  # epoch -> [groups, easy flat, hard flat] (adapted when it is over)
+        self.skipped = 0
+
+    def skip_probability(self, example_id: int) -> float:
+        streak = self.streak.get(example_id, 0)
+        return greso.skip_probability(streak, self.p[self.kind.get(example_id, "hard")], self.config.floor)
+
+    def allocate(self, step: int, drawn: list, counts: list[int]) -> list[int]:
+        if drawn:
+            self.close_epochs(epoch_of(min(d.prompt_id for d in drawn), self.pool_size))
+        out = []
+        for d, n in zip(drawn, counts):
+            uniform = derive_seed(self.seed, "greso", step, d.prompt_id) / 2**63
+            skip = n > 0 and uniform < self.skip_probability(d.example_id)
+            self.skipped += int(skip)
+            out.append(0 if skip else n)
+        return out
+
+    def close_epochs(self, current: int) -> None:
+        """Adapt p after every epoch before `current` (in order) from its share of flat groups."""
+        c = self.config
+        for epoch in sorted(e for e in self.epochs if e < current):
+            groups, easy, hard = self.epochs.pop(epoch)
+            for kind, flat, target in (("easy", easy, c.target * c.easy_share),
+                                       ("hard", hard, c.target * (1 - c.easy_share))):
+                self.p[kind] = greso.adapt(self.p[kind], flat / groups, target, c.step, c.p_min, c.p_max)
+
+    def observe(self, records: list[GroupRecord]) -> None:
+        for r in records:
+            kind = greso.group_kind(r.correct, r.rewards)
+            if self.exempt and r.external > 0:
+                kind = "mixed"  # external rows gave the prompt a signal
+            self.streak[r.example_id] = greso.next_streak(self.streak.get(r.example_id, 0), kind)
+            if kind != "mixed":
+                self.kind[r.example_id] = kind
+            tally = self.epochs.setdefault(epoch_of(r.prompt_id, self.pool_size), [0, 0, 0])
+            tally[0] += 1
+            tally[1] += kind == "easy"
+            tally[2] += kind == "hard"
+
+    def metrics(self) -> dict[str, float]:
+        out = {"curation/greso_p_easy": self.p["easy"], "curation/greso_p_hard": self.p["hard"],
+               "curation/greso_skipped": float(self.skipped)}
+        self.skipped = 0
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"p": dict(self.p), "streak": dict(self.streak), "kind": dict(self.kind),
+                "epochs": {e: list(v) for e, v in self.epochs.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.p, self.streak, self.kind = dict(state["p"]), dict(state["streak"]), dict(state["kind"])
+        self.epochs = {int(e): list(v) for e, v in state["epochs"].items()}
+
+
+# ------------------------------------------------------------------------------------------ SERA
+
+
+class Sera(Strategy):
+    """Each prompt's group size from its success posterior, loss weight N0 / N_q (dllm_rl/curation/sera.py)."""
+
+    name, config_class = "sera", sera.SeraConfig
+
+    def __init__(self, config: sera.SeraConfig, *, group_size: int, seed: int, pool_size: int,
+                 external: bool = False):
+        self.config, self.group_size, self.pool_size = config, group_size, pool_size
+        self.n_max = config.n_max if config.n_max is not None else 4 * group_size
+        self.posterior: dict[int, tuple[float, float]] = {}  # example id -> (alpha, beta)
+        self.pending: dict[int, dict[int, list[int]]] = {}  # epoch -> example id -> [successes, failures]
+        self.inactive = 0
+
+    def success_rate(self, example_id: int) -> float:
+        alpha, beta = self.posterior.get(example_id, (self.config.prior, self.config.prior))
+        return alpha / (alpha + beta)
+
+    def close_epochs(self, current: int) -> None:
+        for epoch in sorted(e for e in self.pending if e < current):
+            for example_id, (s, f) in sorted(self.pending.pop(epoch).items()):
+                alpha, beta = self.posterior.get(example_id, (self.config.prior, self.config.prior))
+                self.posterior[example_id] = sera.posterior_update(alpha, beta, s, f, self.config.discount)
+
+    def allocate(self, step: int, drawn: list, counts: list[int]) -> list[int]:
+        if drawn:
+            self.close_epochs(epoch_of(min(d.prompt_id for d in drawn), self.pool_size))
+        p = [self.success_rate(d.example_id) for d in drawn]
+        active = [i for i, n in enumerate(counts) if n > 0
+                  and sera.mixed_chance(p[i], self.group_size) >= self.config.active_min]
+        self.inactive += sum(1 for n in counts if n > 0) - len(active)
+        budget = self.group_size * sum(1 for n in counts if n > 0)
+        sizes = sera.allocate([p[i] for i in active], budget, self.config.n_min, self.n_max)
+        out = [0] * len(drawn)
+        for i, n in zip(active, sizes):
+            out[i] = n
+        return out
+
+    def select(self, batch) -> None:
+        on = batch.real("on_policy")
+        if on is None:
+            return
+        sizes = torch.tensor(batch.group_sizes, dtype=torch.float32, device=on.ids_NL.device)
+        weight_N = self.group_size / sizes[on.prompt_N]
+        on.weight_N = weight_N if on.weight_N is None else on.weight_N * weight_N
+
+    def observe(self, records: list[GroupRecord]) -> None:
+        for r in records:
+            tally = self.pending.setdefault(epoch_of(r.prompt_id, self.pool_size), {}).setdefault(r.example_id, [0, 0])
+            tally[0] += sum(r.correct)
+            tally[1] += len(r.correct) - sum(r.correct)
+
+    def metrics(self) -> dict[str, float]:
+        out = {"curation/sera_inactive": float(self.inactive)}
+        self.inactive = 0
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"posterior": {k: list(v) for k, v in self.posterior.items()},
+                "pending": {e: {k: list(v) for k, v in d.items()} for e, d in self.pending.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.posterior = {int(k): tuple(v) for k, v in state["posterior"].items()}
+        self.pending = {int(e): {int(k): list(v) for k, v in d.items()} for e, d in state["pending"].items()}
+
+
+# ------------------------------------------------------------------------------------------ DARTS
+
+
+class Darts(Strategy):
+    """G + delta rollouts per prompt, the best G kept, delta adapted per prompt (dllm_rl/curation/darts.py)."""
+
+    name, config_class = "darts", darts.DartsConfig
+
+    def __init__(self, config: darts.DartsConfig, *, group_size: int, seed: int, pool_size: int,
+                 external: bool = False):
+        self.config, self.group_size = config, group_size
+        self.delta: dict[int, int] = {}  # example id -> its extra rollouts
+
+    def delta_of(self, example_id: int) -> int:
+        return self.delta.get(example_id, self.config.delta)
+
+    def allocate(self, step: int, drawn: list, counts: list[int]) -> list[int]:
+        return [n + self.delta_of(d.example_id) if n > 0 else 0 for d, n in zip(drawn, counts)]
+
+    def select(self, batch) -> None:
+        on = batch.real("on_policy")
+        if on is None:
+            return
+        c = self.config
+        score_N = darts.scores(on.sampler_logp_NC.float(), on.mask_NC.float(), c.certainty_weight,
+                               c.length_weight).tolist()
+        keep_N = torch.zeros(len(on), dtype=torch.bool, device=on.ids_NL.device)
+        prompts, rollouts = on.prompt_N.tolist(), on.rollout_N.tolist()
+        for b in sorted(set(prompts)):
+            rows = sorted((n for n in range(len(on)) if prompts[n] == b), key=lambda n: rollouts[n])
+            kept = [rows[k] for k in darts.keep_best([score_N[n] for n in rows], self.group_size)]
+            keep_N[kept] = True
+            batch.darts_changed[batch.prompt_ids[b]] = any(rollouts[n] >= self.group_size for n in kept)
+        batch.rows["on_policy"] = on.select(keep_N)
+
+    def observe(self, records: list[GroupRecord]) -> None:
+        c = self.config
+        for r in records:
+            self.delta[r.example_id] = darts.next_delta(self.delta_of(r.example_id), r.changed, c.delta_min,
+                                                        c.delta_max)
+
+    def metrics(self) -> dict[str, float]:
+        mean = sum(self.delta.values()) / len(self.delta) if self.delta else float(self.config.delta)
+        return {"curation/darts_delta": mean}  # over the prompts seen so far
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"delta": dict(self.delta)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.delta = {int(k): int(v) for k, v in state["delta"].items()}
+
+
+# ------------------------------------------------------------------------------------------ dynamic sampling
+
+
+class DynamicSampling(Strategy):
+    """Drop flat groups and draw more prompts until the step has B that teach (dllm_rl/curation/dynamic_sampling.py).
+    Its decisions are the loop's (`Curation.more`, `Curation.finish`); it has no state between steps."""
+
+    name, config_class = "dynamic_sampling", dynamic_sampling.DynamicSamplingConfig
+
+    def __init__(self, config, *, group_size: int, seed: int, pool_size: int, external: bool = False):
+        self.config = config
+
+
+STRATEGIES: dict[str, type[Strategy]] = {s.name: s for s in (Greso, DynamicSampling, Sera, Darts)}
+
+
+# ------------------------------------------------------------------------------------------ the step's view
+
+
+class Curation:
+    """The chosen strategies, composed, as the step sees them. With none, every drawn prompt gets `group_size`
+    rollouts and nothing else happens."""
+
+    def __init__(self, strategies: list[Strategy], *, group_size: int, prompts_per_step: int):
+        self.strategies, self.group_size, self.prompts_per_step = strategies, group_size, prompts_per_step
+        self.dynamic = next((s for s in strategies if isinstance(s, DynamicSampling)), None)
+        darts_on = next((s for s in strategies if isinstance(s, Darts)), None)
+        self.per_prompt_max = group_size + (darts_on.config.delta_max if darts_on else 0)
+        self.counters: dict[str, float] = {}
+
+    @property
+    def on(self) -> bool:
+        return bool(self.strategies)
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.strategies]
+
+    def begin(self) -> None:
+        self.counters = {"prompts_drawn": 0.0, "prompts_skipped": 0.0, "rollouts_generated": 0.0, "rounds": 0.0,
+                         "rows_dropped": 0.0}
+
+    def allocate(self, step: int, drawn: list) -> list[int]:
+        counts = [self.group_size] * len(drawn)
+        for s in self.strategies:
+            counts = s.allocate(step, drawn, counts)
+        self.counters["prompts_drawn"] += len(drawn)
+        self.counters["prompts_skipped"] += sum(1 for n in counts if n == 0)
+        self.counters["rollouts_generated"] += sum(counts)
+        self.counters["rounds"] += 1
+        return counts
+
+    def select(self, batch) -> None:
+        before = len(batch.real("on_policy") or [])
+        for s in self.strategies:
+            s.select(batch)
+        self.counters["rows_dropped"] += before - len(batch.real("on_policy") or [])
+
+    def more(self, informative: list[tuple[int, bool]]) -> int:
+        """Prompts the next round draws (dynamic sampling; 0 without it): `informative` is every rank's groups so
+        far as (prompt id, rewards differ)."""
+        if self.dynamic is None:
+            return 0
+        kept = sum(ok for _, ok in informative)
+        budget = self.prompts_per_step * self.group_size + self.dynamic.config.max_extra
+        return dynamic_sampling.next_round(kept, self.prompts_per_step, int(self.counters["rollouts_generated"]),
+                                           budget, self.per_prompt_max, self.dynamic.config.oversample)
+
+    def keep(self, informative: list[tuple[int, bool]]) -> set[int] | None:
+        """The prompt ids whose groups stay (dynamic sampling), or None (all stay)."""
+        if self.dynamic is None:
+            return None
+        return dynamic_sampling.groups_to_keep(informative, self.prompts_per_step)
+
+    def observe(self, records: list[GroupRecord]) -> None:
+        for s in self.strategies:
+            s.observe(sorted(records, key=lambda r: r.prompt_id))
+
+    def metrics(self) -> dict[str, float]:
+        """What curation did this step (the same on every rank)."""
+        if not self.on:
+            return {}
+        c = self.counters
+        out = {f"curation/{k}": v for k, v in c.items()}
+        out["curation/rollouts_saved"] = self.prompts_per_step * self.group_size - c["rollouts_generated"]
+        for s in self.strategies:
+            out.update(s.metrics())
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {s.name: s.state_dict() for s in self.strategies}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        for s in self.strategies:
+            if state and s.name in state:
+                s.load_state_dict(state[s.name])

@@ -1,0 +1,187 @@
+"""The curation strategies' decisions on hand-made inputs (dllm_rl/curation/): GRESO's skip probability and
+its adaptation, SERA's allocation and posterior, DARTS's selection, dynamic sampling's bound."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from dllm_rl.curation import build_curation, check_curation
+from dllm_rl.curation import darts, dynamic_sampling, greso, sera
+from dllm_rl.curation.strategies import Darts, GroupRecord, Greso, Sera
+from dllm_rl.errors import ConfigError
+from dllm_rl.stages import Drawn
+
+
+def drawn(ids, pool=100):
+    return [Drawn(q, q % pool, None) for q in ids]
+
+
+# ------------------------------------------------------------------------------------------ GRESO
+
+
+def test_greso_skip_probability_follows_the_formula_and_the_floor_holds():
+    assert greso.skip_probability(0, 0.5, 0.01) == 0.0  # never flat in a row: never skipped
+    assert greso.skip_probability(1, 0.5, 0.01) == 0.5
+    assert greso.skip_probability(3, 0.5, 0.01) == pytest.approx(1 - 0.125)
+    assert greso.skip_probability(7, 0.5, 0.01) == pytest.approx(1 - 0.01)  # 0.5^7 = 0.0078 < floor
+    assert greso.skip_probability(50, 0.9, 0.2) == pytest.approx(0.8)
+
+
+def test_greso_p_moves_toward_the_target_and_stays_within_bounds():
+    assert greso.adapt(0.5, 0.4, 0.25, 0.01, 0.05, 0.95) == pytest.approx(0.49)  # too many flat: skip more
+    assert greso.adapt(0.5, 0.1, 0.25, 0.01, 0.05, 0.95) == pytest.approx(0.51)
+    assert greso.adapt(0.5, 0.25, 0.25, 0.01, 0.05, 0.95) == 0.5
+    p = 0.5
+    for _ in range(100):
+        p = greso.adapt(p, 1.0, 0.25, 0.01, 0.05, 0.95)
+    assert p == pytest.approx(0.05)
+    for _ in range(200):
+        p = greso.adapt(p, 0.0, 0.25, 0.01, 0.05, 0.95)
+    assert p == pytest.approx(0.95)
+
+
+def test_greso_on_hand_made_histories():
+    """Example 1 is all-correct twice, example 2 all-wrong once then mixed, example 3 all-wrong once; one epoch
+    of 4 prompts: the epoch's flat shares move p_easy and p_hard at the next epoch's first draw."""
+    g = Greso(greso.GresoConfig(), group_size=2, seed=0, pool_size=4, external=False)
+    flat_easy = dict(rewards=[1.0, 1.0], correct=[True, True])
+    flat_hard = dict(rewards=[0.0, 0.0], correct=[False, False])
+    mixed = dict(rewards=[1.0, 0.0], correct=[True, False])
+    g.observe([GroupRecord(0, 1, **flat_easy), GroupRecord(1, 2, **flat_hard), GroupRecord(2, 3, **flat_hard),
+               GroupRecord(3, 0, **mixed)])
+    assert g.streak == {1: 1, 2: 1, 3: 1, 0: 0}
+    assert g.skip_probability(1) == 0.5 and g.skip_probability(0) == 0.0
+    g.allocate(5, drawn([4]), [2])  # epoch 1 begins: epoch 0 had 1/4 easy flat (> 1/12), 2/4 hard (> 1/6)
+    assert g.p == {"easy": pytest.approx(0.49), "hard": pytest.approx(0.49)}
+    g.observe([GroupRecord(4, 1, **flat_easy), GroupRecord(5, 2, **mixed)])
+    assert g.streak[1] == 2 and g.streak[2] == 0
+    assert g.skip_probability(1) == pytest.approx(1 - 0.49 ** 2)
+    # the decision is a seeded draw per (step, prompt id): the same on every rank, skip rates as the formula says
+    skipped = sum(g.allocate(s, drawn([100 * s + 1], pool=100), [2]) == [0] for s in range(2000))
+    assert skipped / 2000 == pytest.approx(1 - 0.49 ** 2, abs=0.03)
+    twin = Greso(greso.GresoConfig(), group_size=2, seed=0, pool_size=4)
+    twin.load_state_dict(g.state_dict())
+    assert [twin.allocate(s, drawn([9, 13]), [2, 2]) for s in range(50)] == \
+        [g.allocate(s, drawn([9, 13]), [2, 2]) for s in range(50)]
+
+
+def test_greso_exempts_prompts_that_got_external_rows():
+    for external, streak in ((True, 0), (False, 1)):
+        g = Greso(greso.GresoConfig(exempt_external=True), group_size=2, seed=0, pool_size=4, external=external)
+        g.observe([GroupRecord(0, 7, [0.0, 0.0], [False, False], external=2)])
+        assert g.streak[7] == streak
+
+
+# ------------------------------------------------------------------------------------------ SERA
+
+
+def test_sera_spends_the_budget_exactly_within_bounds():
+    rng = random.Random(0)
+    for trial in range(200):
+        n = rng.randint(1, 12)
+        p = [rng.choice([0.0, 1.0, rng.random()]) for _ in range(n)]
+        n_min, n_max = rng.randint(1, 3), rng.randint(4, 20)
+        budget = rng.randint(n * n_min, n * n_max)
+        sizes = sera.allocate(p, budget, n_min, n_max)
+        assert sum(sizes) == budget and all(n_min <= s <= n_max for s in sizes), (p, budget, sizes)
+    assert sera.allocate([0.5] * 3, 100, 2, 8) == [8] * 3  # more than the bounds allow: all at n_max
+    assert sera.allocate([0.5] * 3, 2, 2, 8) == [2] * 3
+
+
+def test_sera_gives_hard_prompts_more_and_shrinks_the_attenuation_spread():
+    p = [0.05, 0.1, 0.3, 0.5, 0.8, 0.95]
+    sizes = sera.allocate(p, 6 * 8, 2, 32)
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > 8 > sizes[-1]
+    spread = lambda ns: max(sera.attenuation(q, n) for q, n in zip(p, ns)) - min(  # noqa: E731
+        sera.attenuation(q, n) for q, n in zip(p, ns))
+    assert spread(sizes) < spread([8] * 6) / 2
+    # before clipping and rounding every prompt has the same attenuation 1 - e^-tau
+    continuous = [sera.group_size_at(1.3, q, 1, 10 ** 6) for q in (0.1, 0.3, 0.6)]
+    assert [(1 - q) ** (n - 1) for q, n in zip((0.1, 0.3, 0.6), continuous)] == pytest.approx([math.exp(-1.3)] * 3)
+
+
+def test_sera_posterior_moves_only_at_epoch_boundaries_and_weights_are_n0_over_nq(make_rows):
+    s = Sera(sera.SeraConfig(), group_size=4, seed=0, pool_size=4)
+    assert s.success_rate(2) == 0.5
+    s.observe([GroupRecord(1, 2, [1.0, 1.0, 1.0, 0.0], [True, True, True, False])])
+    assert s.success_rate(2) == 0.5  # frozen within the epoch
+    s.allocate(3, drawn([2, 3]), [4, 4])
+    assert s.success_rate(2) == 0.5  # still epoch 0
+    s.allocate(4, drawn([4, 5]), [4, 4])  # epoch 1 begins
+    alpha, beta = 0.75 * 0.5 + 3, 0.75 * 0.5 + 1
+    assert s.success_rate(2) == pytest.approx(alpha / (alpha + beta))
+    # a prompt whose group of 4 would almost surely be flat gets none
+    s.posterior[9] = (200.0, 0.01)
+    sizes = s.allocate(8, drawn([9, 10, 11], pool=100), [4, 4, 4])
+    assert sizes[0] == 0 and sum(sizes) == 12
+    from dllm_rl.stages import StepBatch
+
+    batch = StepBatch(8, [None] * 2, ["a", "b"], [10, 11], [5, 7])
+    batch.rows["on_policy"] = rows = make_rows("on_policy", 12, prompts=2)
+    rows.prompt_N = torch.tensor([0] * 5 + [1] * 7)
+    s.select(batch)
+    assert rows.weight_N.tolist() == pytest.approx([4 / 5] * 5 + [4 / 7] * 7)
+
+
+# ------------------------------------------------------------------------------------------ DARTS
+
+
+def test_darts_keeps_exactly_g_per_prompt_by_its_score(make_rows):
+    from dllm_rl.stages import StepBatch
+
+    d = Darts(darts.DartsConfig(delta=2), group_size=2, seed=0, pool_size=10)
+    assert d.allocate(0, drawn([0, 1, 2]), [2, 0, 2]) == [4, 0, 4]
+    batch = StepBatch(0, [None] * 2, ["a", "b"], [0, 2], [4, 4], [0, 2])
+    rows = make_rows("on_policy", 8, C=4)
+    rows.prompt_N = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    rows.prompt_id_N, rows.rollout_N = torch.tensor([0] * 4 + [2] * 4), torch.tensor([0, 1, 2, 3] * 2)
+    # prompt 0: equal certainty, lengths 4, 1, 2, 3 -> the two shortest (rollouts 1, 2: the extras changed it)
+    # prompt 2: equal lengths, certainty -1, -0.1, -2, -3 -> rollouts 0, 1 (the first G: unchanged)
+    rows.mask_NC = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0]] + [[1, 1, 0, 0]] * 4).float()
+    certainty = torch.tensor([-0.5] * 4 + [-1.0, -0.1, -2.0, -3.0])
+    rows.sampler_logp_NC = certainty[:, None].expand(8, 4).clone()
+    batch.rows["on_policy"] = rows
+    d.select(batch)
+    kept = batch.rows["on_policy"]
+    assert kept.keys == [(0, 1), (0, 2), (2, 0), (2, 1)] and batch.darts_changed == {0: True, 2: False}
+    assert darts.keep_best([0.5, 0.5, 0.5], 2) == [0, 1]  # ties: the lower index
+    d.observe([GroupRecord(0, 0, [], [], changed=True), GroupRecord(2, 2, [], [], changed=False)])
+    assert d.delta == {0: 3, 2: 1}
+    assert darts.next_delta(4, True, 0, 4) == 4 and darts.next_delta(0, False, 0, 4) == 0
+
+
+# ------------------------------------------------------------------------------------------ dynamic sampling
+
+
+def test_dynamic_sampling_never_exceeds_its_bound_and_fills_the_batch_when_it_allows():
+    rng = random.Random(1)
+    for trial in range(300):
+        B, G, extra = rng.randint(1, 8), rng.randint(2, 6), rng.randint(0, 60)
+        budget, rate = B * G + extra, rng.random()
+        kept = generated = 0
+        ask = B
+        while ask:
+            generated += ask * G
+            kept += sum(rng.random() < rate for _ in range(ask))
+            ask = dynamic_sampling.next_round(kept, B, generated, budget, G, 1.0)
+        assert generated <= budget
+        assert kept >= B or budget - generated < G  # stopped only when full or when no group is affordable
+    assert dynamic_sampling.groups_to_keep([(5, True), (1, False), (3, True), (9, True)], 2) == {3, 5}
+
+
+def test_curation_names_and_combinations_are_checked():
+    assert check_curation({}) == [] and check_curation({"greso": {}, "dynamic_sampling": {}}) == ["greso",
+                                                                                                 "dynamic_sampling"]
+    with pytest.raises(ConfigError, match=r"curation=\[darts,sera\] do not compose"):
+        check_curation({"sera": {}, "darts": {}})
+    with pytest.raises(ConfigError, match=r"curation=\[dynamic_sampling,sera\] do not compose"):
+        check_curation({"sera": None, "dynamic_sampling": None})
+    with pytest.raises(ConfigError, match="curation='grezo': expected none or any of greso"):
+        check_curation({"grezo": {}})
+    with pytest.raises(ConfigError, match="curation.sera.n_max=1: expected null or >= n_min"):
+        check_curation({"sera": {"n_max": 1}})
+    none = build_curation({}, group_size=3, prompts_per_step=2, seed=0, pool_size=5)
+    none.begin()
+    assert not none.on and none.allocate(0, drawn([0, 1])) == [3, 3] and none.metrics() == {}
