@@ -171,10 +171,10 @@ class InProcessRollouts:
     def __call__(self, batch: StepBatch) -> Rows:
         tokenizer, eos_id = self.generator.tokenizer, self.generator.eos_id
         keys = [(b, q, g) for b, (q, n) in enumerate(zip(batch.prompt_ids, batch.group_sizes)) for g in range(n)]
-        if not keys:
-            return self.stand_in(batch)
         prompts = [batch.prompt_texts[b] for b, _, _ in keys]
-        with self.inference():
+        with self.inference():  # at ZeRO-3 a collective (the parameter gather): a rank without prompts joins too
+            if not keys:
+                return self.stand_in(batch)
             samples = self.generator.sample(prompts, [derive_seed(self.seed, "rollout", batch.step, q, g)
                                                       for _, q, g in keys])
         device = samples.sequences_BL.device

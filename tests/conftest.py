@@ -126,3 +126,14 @@ class DigitShare:
         from dllm_rl.data import build_task
 
         return build_task("arithmetic").solve(ex)
+
+
+class DigitPass(DigitShare):
+    """DigitShare's pass/fail: reward 1 where the share of digits passes 0.2, so groups are often flat (what
+    rollout curation acts on)."""
+
+    name = "digit_pass"
+
+    def reward(self, completion: str, ex):
+        got = super().reward(completion, ex)
+        return type(got)(float(got.correct), got.correct, False, "ok")

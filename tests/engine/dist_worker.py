@@ -2,8 +2,8 @@
 single-process baseline): short training runs at each ZeRO stage, a ZeRO-3 resume, a ZeRO-3 rollout, and the
 live logits of a ZeRO-3 engine restored from a checkpoint. Results go to files under OUT; the test compares.
 
-usage: dist_worker.py OUT MODEL (train STAGE... | lora STAGE... | dropout | uneven NAME | resume | rollout |
-       logits CHECKPOINT | hang)
+usage: dist_worker.py OUT MODEL (train STAGE... | lora STAGE... | dropout | uneven NAME | ragged NAME STAGE... |
+       resume | rollout | logits CHECKPOINT | hang)
 """
 
 import json
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: tests.conftest
-from tests.conftest import DigitShare  # noqa: E402
+from tests.conftest import DigitPass, DigitShare  # noqa: E402
 
 from dllm_rl.engine import Engine, all_sum, deepspeed_config, init_distributed, partitioned_loading, shutdown
 from dllm_rl.policy.adapters import load_policy
@@ -49,6 +49,41 @@ UNEVEN = {
                       inner_iterations=2, eval_every=2, eval_prompts=3),
     "llada": dict(trust_remote_code=True, eval_every=2, eval_prompts=3),
 }
+
+
+# Runs whose ranks hold uneven numbers of rows (dllm_rl/curation/): SERA gives each prompt its own group size from
+# step 2 on (a pool of 4 prompts: every step is an epoch, so the posterior moves), n_min 1 allows groups of one;
+# dynamic sampling drops the groups with equal rewards and draws more prompts in rounds, and DARTS keeps 2 of
+# 2 + delta rollouts per prompt.
+RAGGED = {
+    "sera": dict(curation={"sera": {"n_min": 1, "n_max": 8}}, train_pool=4, group_size=4, minibatch_size=8,
+                 algo={"advantage": "maxrl", "beta": 0.04}),
+    "ds_darts": dict(curation={"dynamic_sampling": {"max_extra": 40}, "darts": {"delta": 1}}, train_pool=6),
+}
+
+
+
+def run_ragged(out: Path, model: str, name: str, stage: int) -> None:
+    """A RAGGED run at `stage`; every rank writes, per step, how many real on-policy rows it held and in which
+    group sizes."""
+    from dllm_rl import data_parallel
+    from dllm_rl.train import train
+
+    held, shard = [], data_parallel.DataParallel.shard_sources
+
+    def recording(self, rows, estimators):
+        on = rows["on_policy"]
+        held.append([0, []] if on.inert else [len(on), sorted(on.prompt_id_N.unique(return_counts=True)[1].tolist())])
+        return shard(self, rows, estimators)
+
+    data_parallel.DataParallel.shard_sources = recording
+    try:
+        train(DigitPass(), model=model, deepspeed={"stage": stage}, steps=3,
+              run_dir=str(out / f"ragged_{name}_zero{stage}"), **{**SETTINGS, **RAGGED[name]})
+    finally:
+        data_parallel.DataParallel.shard_sources = shard
+    rank = int(os.environ.get("RANK", 0))
+    (out / f"ragged_{name}_zero{stage}_rows_rank{rank}.json").write_text(json.dumps(held))
 
 
 def run_train(out: Path, model: str, stage: int, steps: int = 2, resume: bool = False, lora: bool | dict = False,
@@ -120,6 +155,9 @@ def main(out: Path, model: str, command: str, *args: str) -> None:
         run_train(out, model, 2, steps=3, lora=lora, name="dropout_straight")
     elif command == "uneven":  # UNEVEN[name] at ZeRO-3
         run_uneven(out, model, args[0], 3)
+    elif command == "ragged":  # RAGGED[name] at the given stages
+        for stage in map(int, args[1:]):
+            run_ragged(out, model, args[0], stage)
     elif command == "resume":  # zero3 ran 2 steps; continue to 3, and run 3 straight for comparison
         run_train(out, model, 3, steps=3, resume=True)
         straight = out / "straight"

@@ -124,6 +124,37 @@ def test_ranks_that_need_different_forward_counts_agree_with_one_process_at_zero
     assert_weights_agree(weights(two / f"{name}_zero3", 2), weights(single / f"{name}_zero0", 2), name)
 
 
+@pytest.mark.parametrize("name", ["sera", "ds_darts"])
+def test_ranks_holding_uneven_rows_agree_with_one_process_at_zero_0_2_3(runs, name):
+    """Rollout curation leaves the ranks uneven (SERA's group sizes, dynamic sampling's dropped groups and extra
+    rounds, DARTS's selection): the gathered keys put every row in its single-process place, so losses, rewards
+    and weights still match one process at ZeRO 0, 2 and 3."""
+    import dist_worker
+
+    root, _, _ = runs
+    single, two = root / f"ragged_single_{name}", root / f"ragged_two_{name}"
+    single.mkdir()
+    two.mkdir()
+    dist_worker.run_ragged(single, str(root / "model"), name, 0)
+    launched(two, str(root / "model"), "ragged", name, "0", "2", "3")
+    base = metrics(single / f"ragged_{name}_zero0")
+    whole = json.loads((single / f"ragged_{name}_zero0_rows_rank0.json").read_text())
+    if name == "sera":  # groups of different sizes in one step
+        assert any(len(set(sizes)) > 1 for _, sizes in whole), whole
+    for stage in (0, 2, 3):
+        held = [json.loads((two / f"ragged_{name}_zero{stage}_rows_rank{r}.json").read_text()) for r in (0, 1)]
+        assert [a[0] + b[0] for a, b in zip(*held)] == [rows for rows, _ in whole]  # together: one process's rows
+        if name == "ds_darts":  # dropped groups leave the ranks uneven (SERA's ranks balance by rollouts)
+            assert any(a[0] != b[0] for a, b in zip(*held)), held
+        run = metrics(two / f"ragged_{name}_zero{stage}")
+        for key in ("loss/policy", "loss/kl", "policy/grad_norm", "reward/on_policy", "len/on_policy",
+                    "rollouts/on_policy", "reward/zero_std_groups", "curation/rollouts_generated"):
+            assert [m.get(key) for m in run] == pytest.approx([m.get(key) for m in base], rel=1e-5, abs=1e-7), \
+                (stage, key)
+        assert_weights_agree(weights(two / f"ragged_{name}_zero{stage}", 2), weights(single / f"ragged_{name}_zero0", 2),
+                             (name, stage))
+
+
 # Golden numbers of the two-rank ZeRO-2 run (dist_worker.SETTINGS, fp32): per step (loss/policy, loss/kl,
 # reward/on_policy, reward/external), then the checksum of the weights after step 2 as tests/test_golden.py
 # computes it. The dense reward gives the on-policy rows a loss of their own beside the solver's rows (re-pinned
