@@ -6,8 +6,9 @@
 | stage              | here                        | reads                          | writes                              |
 |--------------------|-----------------------------|--------------------------------|-------------------------------------|
 | choose prompts     | `PromptSource`              | the train split, the step      | the step's prompts (`Drawn`, global)|
-| allocate           | `PromptSource.batch`        | rollouts per prompt            | a new batch: this rank's prompts    |
+| allocate           | `Curation.allocate`, `PromptSource.batch` | curation state   | a new batch: this rank's prompts    |
 | generate           | `InProcessRollouts`         | prompts, their group sizes     | rows["on_policy"]: tokens, texts    |
+| select             | `Curation.select`           | fresh rows                     | rows kept, loss weights             |
 | verify             | `verify`                    | every source's texts           | their rewards                       |
 | external rollouts  | `ExternalRollouts` (ERILS)  | prompts, on-policy correctness | rows["external"], external/* metrics|
 | advantages         | `assign_advantages`         | rewards                        | adv_N (and external weights)        |
@@ -16,6 +17,8 @@
 | update             | `Learner.update`            | every row                      | the weights; loss and policy metrics|
 | metrics            | `step_metrics`              | the batch                      | the step's metrics (over ranks)     |
 
+`CollectRollouts` runs choose prompts through verify, in rounds where dynamic sampling asks for more, and
+`observe_curation` gives the strategies every rank's groups after the external rows (dllm_rl/curation/).
 Rows are keyed by (the global id of their prompt, their index among its rollouts), never by position: a
 prompt may get any number of rollouts (0 leaves it out of the step), a filter may drop any rows
 (`Rows.select`), and every later stage works on the groups as they are. Where later capabilities go, without
