@@ -325,7 +325,7 @@ class Curation:
     def more(self, informative: list[tuple[int, bool]]) -> int:
         """Prompts the next round draws (dynamic sampling; 0 without it): `informative` is every rank's groups so
         far as (prompt id, rewards differ)."""
-        if self.dynamic is None:
+        if self.dynamic is None or self.counters["rounds"] >= self.dynamic.config.max_rounds:
             return 0
         kept = sum(ok for _, ok in informative)
         budget = self.prompts_per_step * self.group_size + self.dynamic.config.max_extra

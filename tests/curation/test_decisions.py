@@ -185,3 +185,20 @@ def test_curation_names_and_combinations_are_checked():
     none = build_curation({}, group_size=3, prompts_per_step=2, seed=0, pool_size=5)
     none.begin()
     assert not none.on and none.allocate(0, drawn([0, 1])) == [3, 3] and none.metrics() == {}
+
+
+def test_dynamic_sampling_stops_after_max_rounds_when_every_prompt_is_skipped():
+    """With GRESO skipping every prompt, rounds generate nothing: max_rounds ends the step."""
+    cur = build_curation({"greso": {}, "dynamic_sampling": {"max_rounds": 3}}, group_size=2, prompts_per_step=2,
+                         seed=0, pool_size=100)
+    cur.strategies[0].streak = {q: 60 for q in range(100)}  # skip probability 1 - floor
+    cur.strategies[0].p = {"easy": 0.05, "hard": 0.05}
+    cur.strategies[0].config = greso.GresoConfig(floor=0.0)
+    cur.begin()
+    rounds, ids = 0, iter(range(100))
+    ask = 2
+    while ask:
+        rounds += 1
+        assert cur.allocate(0, drawn([next(ids) for _ in range(ask)])) == [0] * ask
+        ask = cur.more([])
+    assert rounds == 3 and cur.metrics()["curation/rounds"] == 3
