@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from pathlib import Path
 from typing import Iterable
 
@@ -57,6 +58,23 @@ def resolve_run_dir(run_dir: str | Path) -> Path:
 def load_runs(run_dirs: Iterable[str | Path]) -> list[dict]:
     """Each run directory (see `resolve_run_dir` for relative paths), loaded; empty entries are skipped."""
     return [load_run(resolve_run_dir(d)) for d in run_dirs if str(d).strip()]
+
+
+def finished(run_dir: str | Path, steps: int) -> bool:
+    """Whether the run directory has logged `steps` steps (what a sweep script skips)."""
+    try:
+        return int(load_run(run_dir)["metrics"]["step"].max()) >= steps
+    except Exception:
+        return False
+
+
+def mean_spread(values: list[float], digits: int = 3) -> str:
+    """"mean ± sample std" of `values` for a table ("-" for none, the value alone for one)."""
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
 
 def series(run: dict, key: str) -> pd.Series:

@@ -1,13 +1,14 @@
 """The step's rollout buffer: rows from each source, scored and cut into minibatches.
 
-A step holds one `Rows` per source: the dLLM's own denoising rollouts ("on_policy") and, with ERILS, the
-external policy's rollouts ("external"). Every row carries its source, the policy version that made it,
-its key (the global id of its prompt, its index among that prompt's rollouts of the source: what its seeds
-and its place among all ranks' rows are functions of, never its position), its prompt, reward and advantage, a loss weight, the mask seed of each inner iteration, and its old and
-reference log-probs once scored. Rows of one source share a prompt length P and a window C; sources may
-differ (external rows have their own prompt padding, and a longer window under `length_rule=none`), so
-each source is scored by its own forward passes and the per-token log-probs are padded to a common width
-before the loss. Where the rows sit among all data-parallel ranks' rows is `dllm_rl.data_parallel`'s business.
+A step holds one `Rows` per source: the dLLM's own denoising rollouts ("on_policy") and, with ERILS, the external
+policy's rollouts ("external"). Every row carries its source, the policy version that made it, its key (the global
+id of its prompt, its index among that prompt's rollouts of the source: what its seeds and its place among all
+ranks' rows are functions of, never its position), its prompt, reward and advantage, a loss weight, the mask seed
+of each inner iteration, and its old and reference log-probs once scored. Rows of one source share a prompt length
+P and a window C; sources may differ (external rows have their own prompt padding, and a longer window under
+`length_rule=none`), so each source is scored by its own forward passes and the per-token log-probs are padded to
+a common width before the loss. Where the rows sit among all data-parallel ranks' rows is
+`dllm_rl.data_parallel`'s business.
 """
 
 from __future__ import annotations
@@ -83,10 +84,10 @@ class Rows:
         take = lambda t: None if t is None else t[idx.to(t.device)]  # noqa: E731
         return dataclasses.replace(
             self, ids_NL=self.ids_NL[idx], attention_mask_NL=self.attention_mask_NL[idx], mask_NC=self.mask_NC[idx],
-            order_NC=take(self.order_NC), prompt_N=take(self.prompt_N), rewards=[self.rewards[i] for i in picked]
-            if self.rewards else [], texts=[self.texts[i] for i in picked], behaviour_logp_N=take(self.behaviour_logp_N),
-            sampler_logp_NC=take(self.sampler_logp_NC), adv_N=take(self.adv_N), weight_N=take(self.weight_N),
-            prompt_id_N=take(self.prompt_id_N), rollout_N=take(self.rollout_N))
+            order_NC=take(self.order_NC), prompt_N=take(self.prompt_N),
+            rewards=[self.rewards[i] for i in picked] if self.rewards else [], texts=[self.texts[i] for i in picked],
+            behaviour_logp_N=take(self.behaviour_logp_N), sampler_logp_NC=take(self.sampler_logp_NC),
+            adv_N=take(self.adv_N), weight_N=take(self.weight_N), prompt_id_N=take(self.prompt_id_N), rollout_N=take(self.rollout_N))
 
     @property
     def rewards_N(self) -> torch.Tensor:

@@ -18,14 +18,15 @@
 | metrics            | `step_metrics`              | the batch                      | the step's metrics (over ranks)     |
 
 `CollectRollouts` runs choose prompts through verify, in rounds where dynamic sampling asks for more, and
-`observe_curation` gives the strategies every rank's groups after the external rows (dllm_rl/curation/).
-Rows are keyed by (the global id of their prompt, their index among its rollouts), never by position: a
-prompt may get any number of rollouts (0 leaves it out of the step), a filter may drop any rows
-(`Rows.select`), and every later stage works on the groups as they are. Where later capabilities go, without
-editing the other stages: a prompt filter or a rollout allocator decides the rollouts per prompt between
-"choose prompts" and "generate" (the same decision on every rank), a row filter runs after "verify"; rollouts from workers replace `InProcessRollouts` with any callable that returns on-policy `Rows`
-whose `version` is the policy that made them; a cached or parallel sampler is another `TextGenerator`-like
-object inside `InProcessRollouts` (anything with `sample(prompts, seeds) -> Samples`).
+`observe_curation` gives the strategies every rank's groups after the external rows (dllm_rl/curation/). Rows are
+keyed by (the global id of their prompt, their index among its rollouts), never by position: a prompt may get any
+number of rollouts (0 leaves it out of the step), a filter may drop any rows (`Rows.select`), and every later
+stage works on the groups as they are. Where later capabilities go, without editing the other stages: a prompt
+filter or a rollout allocator decides the rollouts per prompt between "choose prompts" and "generate" (the same
+decision on every rank), a row filter runs after "verify"; rollouts from workers replace `InProcessRollouts` with
+any callable that returns on-policy `Rows` whose `version` is the policy that made them; a cached or parallel
+sampler is another `TextGenerator`-like object inside `InProcessRollouts` (anything with `sample(prompts, seeds)
+-> Samples`).
 
 Which rows are this rank's and where they sit among all ranks' rows is `dllm_rl.data_parallel`'s business;
 a stage that needs a global index reads it from `Rows.shard` or asks the `DataParallel` object it is given.

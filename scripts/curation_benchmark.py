@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dllm_rl import analysis  # noqa: E402
+from dllm_rl.analysis import mean_spread as spread  # noqa: E402
 
 STRATEGIES: dict[str, list[str]] = {
     "none": ["curation=none"],
@@ -47,13 +47,6 @@ PHASES = ("perf/rollout_s", "perf/external_s", "perf/score_s", "perf/update_s")
 
 def run_dir(out: Path, task: str, strategy: str, seed: int) -> Path:
     return out / task / f"{strategy}-s{seed}"
-
-
-def finished(path: Path, steps: int) -> bool:
-    try:
-        return int(analysis.load_run(path)["metrics"]["step"].max()) >= steps
-    except Exception:
-        return False
 
 
 def launch(path: Path, task: str, strategy: str, seed: int, args: argparse.Namespace) -> None:
@@ -88,14 +81,6 @@ def at_spend(run: dict, cumulative: list[float], limit: float) -> dict:
     return [e for e in run["evals"] if int(e["step"]) in within][-1]
 
 
-def describe(values: list[float], digits: int = 3) -> str:
-    if not values:
-        return "-"
-    if len(values) == 1:
-        return f"{values[0]:.{digits}f}"
-    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
-
-
 def cumsum(values: list[float]) -> list[float]:
     out, total = [], 0.0
     for v in values:
@@ -123,7 +108,7 @@ def main() -> None:
 
     out = Path(args.out)
     plan = [(task, s, seed) for task in args.tasks for s in args.strategies for seed in args.seeds]
-    todo = [p for p in plan if not finished(run_dir(out, *p), args.steps)]
+    todo = [p for p in plan if not analysis.finished(run_dir(out, *p), args.steps)]
     started = time.perf_counter()
 
     def work(item):
@@ -156,11 +141,12 @@ def main() -> None:
             base = {r["seed"]: r for r in results if r["task"] == task and r["strategy"] == "none"}
             ratio = lambda key: [r[key] / base[r["seed"]][key] for r in rows]  # noqa: E731
             lines.append(
-                f"| {task} | {strategy} | {len(rows)} | {describe(ratio('rollouts'), 2)} | "
-                f"{describe(ratio('seconds_per_step'), 2)} | {describe([r['zero_std_groups'] for r in rows])} | "
-                f"{describe([r['end']['eval/pass@1'] for r in rows])} | {describe([r['end']['eval/best_of_4'] for r in rows])} | "
-                f"{describe([r['equal_rollouts']['eval/pass@1'] for r in rows])} | "
-                f"{describe([r['equal_time']['eval/pass@1'] for r in rows])} |")
+                f"| {task} | {strategy} | {len(rows)} | {spread(ratio('rollouts'), 2)} | "
+                f"{spread(ratio('seconds_per_step'), 2)} | {spread([r['zero_std_groups'] for r in rows])} | "
+                f"{spread([r['end']['eval/pass@1'] for r in rows])} | "
+                f"{spread([r['end']['eval/best_of_4'] for r in rows])} | "
+                f"{spread([r['equal_rollouts']['eval/pass@1'] for r in rows])} | "
+                f"{spread([r['equal_time']['eval/pass@1'] for r in rows])} |")
     table = "\n".join(lines)
     print(table)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dllm_rl import analysis  # noqa: E402
+from dllm_rl.analysis import mean_spread as spread  # noqa: E402
 
 AR = ["external=causal_lm"]
 SOLVER = ["external=solver"]
@@ -55,13 +55,6 @@ def run_dir(out: Path, task: str, arm: str, seed: int) -> Path:
     return out / task / f"{arm}-s{seed}"
 
 
-def finished(path: Path, steps: int) -> bool:
-    try:
-        return int(analysis.load_run(path)["metrics"]["step"].max()) >= steps
-    except Exception:
-        return False
-
-
 def launch(path: Path, task: str, arm: str, seed: int, args: argparse.Namespace) -> float:
     command = [sys.executable, "-m", "dllm_rl.cli", "train", f"task={task}", f"seed={seed}", f"steps={args.steps}",
                f"run_dir={path}", f"eval_every={args.eval_every}", f"eval_prompts={args.eval_prompts}",
@@ -74,14 +67,6 @@ def launch(path: Path, task: str, arm: str, seed: int, args: argparse.Namespace)
     with open(path.parent / f"{path.name}.log", "w") as log:
         subprocess.run(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
     return time.perf_counter() - start
-
-
-def describe(values: list[float]) -> str:
-    if not values:
-        return "-"
-    if len(values) == 1:
-        return f"{values[0]:.3f}"
-    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
 
 
 def main() -> None:
@@ -102,7 +87,7 @@ def main() -> None:
 
     out = Path(args.out)
     plan = [(task, arm, seed) for task in args.tasks for arm in (args.arms or DEFAULT_ARMS[task]) for seed in args.seeds]
-    todo = [p for p in plan if not finished(run_dir(out, *p), args.steps)]
+    todo = [p for p in plan if not analysis.finished(run_dir(out, *p), args.steps)]
     seconds: dict[tuple, float] = {}
 
     def work(item):
@@ -134,10 +119,10 @@ def main() -> None:
             col = lambda when, key: [r[when][key] for r in rows if key in r[when]]  # noqa: E731
             first = [sum(r["reward_curve"][:10]) / max(1, len(r["reward_curve"][:10])) for r in rows]
             last = [sum(r["reward_curve"][-10:]) / max(1, len(r["reward_curve"][-10:])) for r in rows]
-            lines.append(f"| {task} | {arm} | {len(rows)} | {describe(col('start', 'eval/pass@1'))} → "
-                         f"{describe(col('end', 'eval/pass@1'))} | {describe(col('end', 'eval/sampled_pass@1'))} | "
-                         f"{describe(col('start', 'eval/best_of_4'))} → {describe(col('end', 'eval/best_of_4'))} | "
-                         f"{describe(first)} → {describe(last)} |")
+            lines.append(f"| {task} | {arm} | {len(rows)} | {spread(col('start', 'eval/pass@1'))} → "
+                         f"{spread(col('end', 'eval/pass@1'))} | {spread(col('end', 'eval/sampled_pass@1'))} | "
+                         f"{spread(col('start', 'eval/best_of_4'))} → {spread(col('end', 'eval/best_of_4'))} | "
+                         f"{spread(first)} → {spread(last)} |")
     table = "\n".join(lines)
     print(table)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

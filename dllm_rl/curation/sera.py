@@ -44,7 +44,8 @@ class SeraConfig:
                 f"curation.sera.n_max={self.n_max!r}: expected null or >= n_min ({self.n_min})")
 
 
-def posterior_update(alpha: float, beta: float, successes: float, failures: float, discount: float) -> tuple[float, float]:
+def posterior_update(alpha: float, beta: float, successes: float, failures: float,
+                     discount: float) -> tuple[float, float]:
     """The Beta parameters after an epoch with these outcomes (older evidence discounted)."""
     return discount * alpha + successes, discount * beta + failures
 

@@ -39,7 +39,8 @@ def test_a_resumed_curated_run_repeats_the_uninterrupted_one(saved_model, tmp_pa
     assert set(state["curation"]) == set(CURATIONS[name]) and any(state["curation"].values())
     train(DigitPass(), resume=str(resumed), steps=6, **options)
     assert lines(resumed) == lines(straight)
-    got, want = (load_file(str(run / "checkpoints" / "step_000006" / "model.safetensors")) for run in (resumed, straight))
+    got, want = (load_file(str(run / "checkpoints" / "step_000006" / "model.safetensors"))
+                 for run in (resumed, straight))
     assert all(torch.equal(got[k], want[k]) for k in want)
     metrics = lines(straight)
     if name == "sera":  # from the second epoch on, group sizes follow the posterior: the budget stays B * G
