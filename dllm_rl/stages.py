@@ -3,6 +3,8 @@
     choose prompts -> (allocate) -> generate -> verify -> external rollouts -> advantages -> old/ref log-probs
     -> (sampler correction) -> update -> metrics (the checkpoint is the loop's)
 
+The stages up to "verify" are in `dllm_rl/collect.py` (with the `StepBatch`), the rest here.
+
 | stage              | here                        | reads                          | writes                              |
 |--------------------|-----------------------------|--------------------------------|-------------------------------------|
 | choose prompts     | `PromptSource`              | the train split, the step      | the step's prompts (`Drawn`, global)|
@@ -34,12 +36,9 @@ a stage that needs a global index reads it from `Rows.shard` or asks the `DataPa
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import random
 import re
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, ContextManager
 
 import torch
@@ -47,269 +46,20 @@ import torch
 from dllm_rl.algo.advantages import group_advantages
 from dllm_rl.algo.correction import SamplerCorrection, correction_weights, rollout_log_ratio
 from dllm_rl.algo.losses import aggregation_units, grpo_loss
-from dllm_rl.buffer import Rows, concat_rows, loss_inputs
-from dllm_rl.curation import Curation, GroupRecord
-from dllm_rl.data.task import Example, Reward, Task, render_prompt, train_examples_up_to
+from dllm_rl.buffer import Rows, loss_inputs
+from dllm_rl.collect import StepBatch, eval_mode
+from dllm_rl.data.task import Task
 from dllm_rl.data_parallel import DataParallel
 from dllm_rl.engine import Engine
-from dllm_rl.errors import RunStopped, require
+from dllm_rl.errors import RunStopped
 from dllm_rl.evaluate import evaluate_task
 from dllm_rl.external.mixer import local_only
-from dllm_rl.likelihood.estimators import Estimator, build_estimator
-from dllm_rl.rollout.diversity import distinct_share, pairwise_agreement
-from dllm_rl.rollout.sampler import completion_mask, completion_texts
+from dllm_rl.likelihood.estimators import build_estimator
 from dllm_rl.seeds import derive_seed
 
 # Metrics that count rows or prompts: added up over data-parallel ranks (every other metric is averaged).
 COUNTS = tuple(f"external/{k}" for k in ("candidates", "too_long", "truncated", "unrepresentable", "incorrect",
                                          "prompts", "rows")) + ("rollouts/on_policy",)
-
-
-@dataclass
-class StepBatch:
-    """What flows between the stages of one step, on one rank."""
-
-    step: int
-    examples: list[Example]  # this rank's prompts
-    prompt_texts: list[str]  # as the dLLM reads them (chat template applied)
-    prompt_ids: list[int]  # each prompt's global id (`Drawn.prompt_id`): what its rows are keyed by
-    group_sizes: list[int]  # on-policy rollouts asked for each prompt (a row filter may keep fewer)
-    example_ids: list[int] = field(default_factory=list)  # each prompt's index in the train pool (`Drawn`)
-    template: str = ""  # a prompt text of the step: a rank with no prompts makes its stand-in row from it
-    rows: dict[str, Rows] = field(default_factory=dict)  # per source: "on_policy" first, then "external"
-    metrics: dict[str, float] = field(default_factory=dict)  # what the stages measured (external/*, ...)
-    visits: list[GroupRecord] = field(default_factory=list)  # every group this rank generated (curation learns)
-    darts_changed: dict[int, bool] = field(default_factory=dict)  # prompt id -> DARTS's extras changed its group
-
-    def real(self, source: str) -> Rows | None:
-        """A source's rows, or None where this rank has none (or only a data-parallel stand-in)."""
-        rows = self.rows.get(source)
-        return None if rows is None or rows.inert else rows
-
-
-# ------------------------------------------------------------------------------------------ choose prompts
-
-
-@dataclass(frozen=True)
-class Drawn:
-    """One of the step's prompts, as every rank draws it."""
-
-    prompt_id: int  # its position in the run's stream of prompts: unique in a run; keys its rows and seeds
-    example_id: int  # its index in the train pool: the same example in every epoch (what curation remembers)
-    example: Example
-
-
-class PromptSource:
-    """The step's prompts: the train split's first `pool` examples (all of a smaller split) in a fresh seeded
-    order every epoch; `batch` gives this rank its whole groups of them. `position` (prompts drawn) is all its
-    state (saved with checkpoints)."""
-
-    def __init__(self, task: Task, tokenizer, dp: DataParallel, per_step: int, pool: int, seed: int,
-                 position: int = 0):
-        self.examples = train_examples_up_to(task, pool, seed)  # a small train file: all of it
-        self.task, self.tokenizer, self.dp, self.per_step = task, tokenizer, dp, per_step
-        self.seed, self.position = seed, position
-
-    def draw(self, count: int) -> list[Drawn]:
-        """The next `count` prompts of the stream (the same on every rank)."""
-        out = []
-        for _ in range(count):
-            epoch, index = divmod(self.position, len(self.examples))
-            order = list(range(len(self.examples)))
-            random.Random(f"{self.seed}|epoch{epoch}").shuffle(order)
-            out.append(Drawn(self.position, order[index], self.examples[order[index]]))
-            self.position += 1
-        return out
-
-    def __call__(self, step: int) -> list[Drawn]:
-        return self.draw(self.per_step)
-
-    def batch(self, step: int, drawn: list[Drawn], counts: list[int]) -> StepBatch:
-        """This rank's part of the step: its run of the prompts that get rollouts (`counts` per drawn prompt;
-        0 leaves one out), balanced over ranks by rollouts (`DataParallel.assign`)."""
-        require(len(counts) == len(drawn), f"{len(counts)} rollout counts for {len(drawn)} prompts")
-        kept = [(d, n) for d, n in zip(drawn, counts) if n > 0]
-        mine = [kept[i] for i in self.dp.assign([n for _, n in kept])]
-        render = lambda ex: render_prompt(self.task.prompt(ex), self.tokenizer)  # noqa: E731
-        return StepBatch(step, [d.example for d, _ in mine], [render(d.example) for d, _ in mine],
-                         [d.prompt_id for d, _ in mine], [n for _, n in mine], [d.example_id for d, _ in mine],
-                         template=render(drawn[0].example) if drawn else "")
-
-
-# ------------------------------------------------------------------------------------------ generate, verify
-
-
-@contextlib.contextmanager
-def eval_mode(network: torch.nn.Module):
-    """`network` in eval mode for the duration (no dropout), back in the mode it was in after."""
-    was_training = network.training
-    network.eval()
-    try:
-        yield
-    finally:
-        network.train(was_training)
-
-
-@contextlib.contextmanager
-def inference(net: torch.nn.Module, engine: Engine, autocast: ContextManager):
-    """Eval mode, autocast and (ZeRO-3) the full parameters for the duration: how the policy generates."""
-    net.eval()
-    try:
-        with autocast, engine.gathered():
-            yield
-    finally:
-        net.train()
-
-
-@dataclass
-class InProcessRollouts:
-    """Each prompt's rollouts (`StepBatch.group_sizes`) from the current policy, sampled in this process.
-    Rollout g of the prompt with global id q draws from seed (seed, "rollout", step, q, g): not from the rank,
-    the batch, or how many rollouts other prompts get. A rank with no prompts returns a stand-in row."""
-
-    generator: Any  # a TextGenerator over the policy: sample(prompts, seeds) -> Samples
-    estimator: Estimator
-    seed: int
-    inference: Callable[[], ContextManager]
-
-    def __call__(self, batch: StepBatch) -> Rows:
-        tokenizer, eos_id = self.generator.tokenizer, self.generator.eos_id
-        keys = [(b, q, g) for b, (q, n) in enumerate(zip(batch.prompt_ids, batch.group_sizes)) for g in range(n)]
-        prompts = [batch.prompt_texts[b] for b, _, _ in keys]
-        with self.inference():  # at ZeRO-3 a collective (the parameter gather): a rank without prompts joins too
-            if not keys:
-                return self.stand_in(batch)
-            samples = self.generator.sample(prompts, [derive_seed(self.seed, "rollout", batch.step, q, g)
-                                                      for _, q, g in keys])
-        device = samples.sequences_BL.device
-        prompt_N = torch.tensor([b for b, _, _ in keys], device=device)
-        batch.metrics.update({"rollout/forwards": float(samples.forwards),
-                              "rollout/distinct": distinct_share(samples.completion_BC, prompt_N),
-                              "rollout/agreement": pairwise_agreement(samples.completion_BC, prompt_N)})
-        return Rows("on_policy", samples.sequences_BL, samples.attention_mask_BL, samples.prompt_length,
-                    completion_mask(samples.completion_BC, eos_id), samples.unmask_step_BC, prompt_N, [],
-                    completion_texts(tokenizer, samples.completion_BC, eos_id), version=batch.step,
-                    estimator=self.estimator, sampler_logp_NC=samples.confidence_BC.clamp(min=1e-30).log(),
-                    prompt_id_N=torch.tensor([q for _, q, _ in keys], device=device),
-                    rollout_N=torch.tensor([g for _, _, g in keys], device=device))
-
-    def stand_in(self, batch: StepBatch) -> Rows:
-        """One on-policy row that counts for nothing (the step's template prompt, a window of EOS): what a rank
-        that got no prompts takes every stage's calls with (ZeRO-3's forwards are collective)."""
-        eos_id, C = self.generator.eos_id, self.generator.gen_length
-        ids_P, mask_P = self.generator.encode([batch.template], [0])[:2]
-        window_C = torch.full((1, C), eos_id, dtype=torch.long, device=ids_P.device)
-        zeros = torch.zeros(1, C, device=ids_P.device)
-        return Rows("on_policy", torch.cat([ids_P, window_C], 1), torch.cat([mask_P, torch.ones_like(window_C)], 1),
-                    ids_P.shape[1], zeros, torch.zeros_like(window_C), torch.zeros(1, dtype=torch.long,
-                    device=ids_P.device), [Reward(0.0, False, False, "stand-in")], [""], version=batch.step,
-                    estimator=self.estimator, sampler_logp_NC=zeros.clone(), adv_N=zeros[:, 0].clone(),
-                    weight_N=zeros[:, 0].clone(), inert=True,
-                    prompt_id_N=torch.full((1,), -1, device=ids_P.device), rollout_N=torch.zeros(1, dtype=torch.long,
-                    device=ids_P.device))
-
-
-def verify(batch: StepBatch, task: Task) -> None:
-    """The task's verifiable reward of every row that has none yet."""
-    for rows in batch.rows.values():
-        if not rows.rewards and not rows.inert:
-            rows.rewards = [task.reward(text, batch.examples[int(p)]) for text, p in zip(rows.texts, rows.prompt_N)]
-
-
-def group_records(batch: StepBatch) -> list[GroupRecord]:
-    """One record per prompt of the batch that has on-policy rows: what curation learns from."""
-    on = batch.real("on_policy")
-    if on is None:
-        return []
-    prompts = on.prompt_N.tolist()
-    return [GroupRecord(batch.prompt_ids[b], batch.example_ids[b] if batch.example_ids else batch.prompt_ids[b],
-                        [on.rewards[n].score for n in range(len(on)) if prompts[n] == b],
-                        [on.rewards[n].correct for n in range(len(on)) if prompts[n] == b],
-                        changed=batch.darts_changed.get(batch.prompt_ids[b], False))
-            for b in sorted(set(prompts))]
-
-
-def merge_batches(first: StepBatch, later: StepBatch, pad_id: int) -> StepBatch:
-    """Two generation rounds of one step (dynamic sampling) as one batch: the prompts one after the other, the
-    on-policy rows of both (prompts re-padded to the wider round), rollout metrics over both."""
-    offset = len(first.examples)
-    mine, theirs = first.real("on_policy"), later.real("on_policy")
-    if theirs is not None:
-        theirs.prompt_N = theirs.prompt_N + offset
-    parts = [r for r in (mine, theirs) if r is not None]
-    rows = concat_rows(parts, pad_id) if parts else first.rows["on_policy"]
-    n1, n2 = len(mine or []), len(theirs or [])
-    metrics = dict(first.metrics)
-    for key, value in later.metrics.items():
-        if key == "rollout/forwards":
-            metrics[key] = metrics.get(key, 0.0) + value
-        elif key in metrics and n1 + n2 > 0:  # a mean over rows (diversity): weighted by each round's rows
-            metrics[key] = (metrics[key] * n1 + value * n2) / (n1 + n2)
-        else:
-            metrics[key] = value
-    return StepBatch(first.step, first.examples + later.examples, first.prompt_texts + later.prompt_texts,
-                     first.prompt_ids + later.prompt_ids, first.group_sizes + later.group_sizes,
-                     first.example_ids + later.example_ids, first.template, {"on_policy": rows}, metrics,
-                     first.visits + later.visits, {**first.darts_changed, **later.darts_changed})
-
-
-@dataclass
-class CollectRollouts:
-    """Choose prompts, allocate their rollouts, generate, select and verify: one round, or (dynamic sampling)
-    rounds until the step has its groups that teach. Every decision is taken alike on every rank (the curation
-    strategies' allocations are functions of the drawn prompts; dynamic sampling's from every rank's groups)."""
-
-    prompts: PromptSource
-    rollouts: InProcessRollouts
-    task: Task
-    curation: Curation
-    dp: DataParallel
-    pad_id: int
-
-    def __call__(self, step: int) -> StepBatch:
-        cur = self.curation
-        cur.begin()
-        drawn, batch = self.prompts(step), None
-        while drawn:
-            part = self.prompts.batch(step, drawn, cur.allocate(step, drawn))
-            part.rows["on_policy"] = self.rollouts(part)
-            cur.select(part)
-            verify(part, self.task)
-            part.visits = group_records(part)
-            batch = part if batch is None else merge_batches(batch, part, self.pad_id)
-            informative = self.informative(batch) if cur.dynamic is not None else []
-            drawn = self.prompts.draw(cur.more(informative))
-        keep = cur.keep(self.informative(batch)) if cur.dynamic is not None else None
-        if keep is not None:
-            self.keep_groups(batch, keep)
-        if cur.on:
-            batch.metrics.update(cur.metrics())
-        return batch
-
-    def informative(self, batch: StepBatch) -> list[tuple[int, bool]]:
-        """(prompt id, rewards differ) of every rank's groups so far, in prompt id order."""
-        mine = [(v.prompt_id, len(set(v.rewards)) > 1) for v in batch.visits]
-        return sorted(x for part in self.dp.gather_objects(mine) for x in part)
-
-    def keep_groups(self, batch: StepBatch, keep: set[int]) -> None:
-        on = batch.real("on_policy")
-        if on is None:
-            return
-        keep_N = torch.tensor([q in keep for q in on.prompt_id_N.tolist()], dtype=torch.bool,
-                              device=on.ids_NL.device)
-        self.curation.counters["rows_dropped"] += len(on) - int(keep_N.sum())
-        batch.rows["on_policy"] = on.select(keep_N) if bool(keep_N.any()) else self.rollouts.stand_in(batch)
-
-
-def observe_curation(batch: StepBatch, curation: Curation, dp: DataParallel) -> None:
-    """After the external rows: every rank's groups of the step (with their kept external rows) to the
-    curation strategies, which update their state alike on every rank."""
-    if not curation.on:
-        return
-    ext = batch.real("external")
-    external = {} if ext is None else {q: ext.prompt_id_N.tolist().count(q) for q in set(ext.prompt_id_N.tolist())}
-    mine = [dataclasses.replace(v, external=external.get(v.prompt_id, 0)) for v in batch.visits]
-    curation.observe([record for part in dp.gather_objects(mine) for record in part])
 
 
 # ------------------------------------------------------------------------------------------ external, advantages

@@ -1,6 +1,7 @@
 """`dllm-rl train`: GRPO for a masked-diffusion policy, one step a pipeline of stages read top to bottom.
 
-One step (`run_steps` below; the stages are in `dllm_rl/stages.py`, with the `StepBatch` that flows between them):
+One step (`run_steps` below; the stages are in `dllm_rl/collect.py` and `dllm_rl/stages.py`, with the `StepBatch`
+that flows between them):
 
     choose prompts -> generate on-policy rollouts -> verify -> external rollouts (ERILS) -> advantages
     -> old/reference log-probs -> update -> metrics, held-out evaluation, checkpoint
@@ -8,7 +9,8 @@ One step (`run_steps` below; the stages are in `dllm_rl/stages.py`, with the `St
 Without external rollouts this is diffu-GRPO (d1, arXiv 2504.12216). Who owns what:
 - `TrainConfig` (`dllm_rl/train_config.py`): every option, checked by name, type and range before anything is
   loaded; its defaults are configs/train.yaml's;
-- `dllm_rl/stages.py`: each stage, testable alone; the estimator, advantage, KL, loss aggregation and the ERILS
+- `dllm_rl/collect.py` and `dllm_rl/stages.py`: each stage, testable alone (`dllm_rl/curation/`: which prompts
+  get rollouts and how many); the estimator, advantage, KL, loss aggregation and the ERILS
   options are built once here from their configs (`build_estimator`, `build_mixer`, `split_algo`);
 - `DataParallel` (`dllm_rl/data_parallel.py`): which prompt groups and rows are this rank's, stand-in rows, the
   single-process minibatch plan, the global loss normaliser, and every cross-rank decision; the loop names no rank;
@@ -63,8 +65,8 @@ from dllm_rl.seeds import derive_seed
 from dllm_rl.resume import decide_resume, read_run_config, record_resume, with_absolute_paths, write_run_config
 from dllm_rl.rollout.generate import TextGenerator
 from dllm_rl.curation import Curation, build_curation
-from dllm_rl.stages import (CollectRollouts, ExternalRollouts, HeldOut, InProcessRollouts, Learner, PromptSource,
-                            SamplerCorrectionStage, StepBatch, assign_advantages, inference, observe_curation,
+from dllm_rl.collect import CollectRollouts, InProcessRollouts, PromptSource, StepBatch, inference, observe_curation
+from dllm_rl.stages import (ExternalRollouts, HeldOut, Learner, SamplerCorrectionStage, assign_advantages,
                             sample_rows, score_old_and_reference, step_metrics)
 from dllm_rl.tracking import NullTracker, PhaseTimer, Tracker, console_line, run_header
 from dllm_rl.train_config import TrainConfig, engine_options, split_algo

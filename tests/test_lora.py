@@ -109,7 +109,8 @@ def test_with_dropout_resume_is_exact_and_old_log_probs_are_scored_without_it(lo
     from dllm_rl.engine import World
     from dllm_rl.likelihood.estimators import build_estimator
     from dllm_rl.policy.lora import add_adapters
-    from dllm_rl.stages import StepBatch, score_old_and_reference
+    from dllm_rl.collect import StepBatch
+    from dllm_rl.stages import score_old_and_reference
     from tests.conftest import fake_rows
 
     policy, _ = load_policy(str(model))

@@ -1,4 +1,4 @@
-"""Each stage of the RL step alone, on a tiny model or hand-made rows (dllm_rl/stages.py)."""
+"""Each stage of the RL step alone, on a tiny model or hand-made rows (dllm_rl/collect.py, dllm_rl/stages.py)."""
 
 import contextlib
 import dataclasses
@@ -14,8 +14,8 @@ from dllm_rl.external.sources import SolverSource
 from dllm_rl.likelihood.estimators import build_estimator
 from dllm_rl.rollout.generate import TextGenerator
 from dllm_rl.seeds import derive_seed
-from dllm_rl.stages import (InProcessRollouts, Learner, PromptSource, StepBatch, assign_advantages,
-                            score_old_and_reference, step_metrics, verify)
+from dllm_rl.collect import InProcessRollouts, PromptSource, StepBatch, verify
+from dllm_rl.stages import Learner, assign_advantages, score_old_and_reference, step_metrics
 
 ARITHMETIC = build_task("arithmetic")
 MEAN_FIELD = build_estimator({"name": "mean_field"})

@@ -33,6 +33,7 @@ def lines(run: Path) -> list[dict]:
 def test_a_resumed_curated_run_repeats_the_uninterrupted_one(saved_model, tmp_path, name):
     options = dict(model=saved_model, curation=CURATIONS[name], **COMMON)
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    start = load_file(str(Path(saved_model) / "model.safetensors"))
     train(DigitPass(), run_dir=str(straight), steps=6, **options)
     train(DigitPass(), run_dir=str(resumed), steps=4, **options)
     state = torch.load(resumed / "checkpoints" / "step_000004" / "trainer_state.pt", weights_only=True)["state"]
@@ -43,6 +44,7 @@ def test_a_resumed_curated_run_repeats_the_uninterrupted_one(saved_model, tmp_pa
                  for run in (resumed, straight))
     assert all(torch.equal(got[k], want[k]) for k in want)
     metrics = lines(straight)
+    assert sum(m["policy/updates"] for m in metrics) > 0 and any(not torch.equal(want[k], start[k]) for k in start)
     if name == "sera":  # from the second epoch on, group sizes follow the posterior: the budget stays B * G
         assert all(m["curation/rollouts_generated"] <= 12 for m in metrics)
         assert all(m["rollouts/on_policy"] == m["curation/rollouts_generated"] for m in metrics)

@@ -11,7 +11,7 @@ from dllm_rl.curation import build_curation, check_curation
 from dllm_rl.curation import darts, dynamic_sampling, greso, sera
 from dllm_rl.curation.strategies import Darts, GroupRecord, Greso, Sera
 from dllm_rl.errors import ConfigError
-from dllm_rl.stages import Drawn
+from dllm_rl.collect import Drawn
 
 
 def drawn(ids, pool=100):
@@ -116,7 +116,7 @@ def test_sera_posterior_moves_only_at_epoch_boundaries_and_weights_are_n0_over_n
     s.posterior[9] = (200.0, 0.01)
     sizes = s.allocate(8, drawn([9, 10, 11], pool=100), [4, 4, 4])
     assert sizes[0] == 0 and sum(sizes) == 12
-    from dllm_rl.stages import StepBatch
+    from dllm_rl.collect import StepBatch
 
     batch = StepBatch(8, [None] * 2, ["a", "b"], [10, 11], [5, 7])
     batch.rows["on_policy"] = rows = make_rows("on_policy", 12, prompts=2)
@@ -129,7 +129,7 @@ def test_sera_posterior_moves_only_at_epoch_boundaries_and_weights_are_n0_over_n
 
 
 def test_darts_keeps_exactly_g_per_prompt_by_its_score(make_rows):
-    from dllm_rl.stages import StepBatch
+    from dllm_rl.collect import StepBatch
 
     d = Darts(darts.DartsConfig(delta=2), group_size=2, seed=0, pool_size=10)
     assert d.allocate(0, drawn([0, 1, 2]), [2, 0, 2]) == [4, 0, 4]
