@@ -116,8 +116,7 @@ def group_advantages(rewards_N: torch.Tensor, group_N: torch.Tensor, name: str, 
     require(rewards_N.dim() == 1 and group_N.shape == rewards_N.shape,
             f"rewards_N and group_N: expected two 1-D tensors of one length; got {tuple(rewards_N.shape)} and "
             f"{tuple(group_N.shape)}")
-    adv_N = _as_float(rewards_N).clone()
-    adv_N.zero_()
+    adv_N = torch.zeros_like(_as_float(rewards_N))
     if rewards_N.numel() == 0:
         return adv_N
     groups, inverse_N, sizes = torch.unique(group_N, return_inverse=True, return_counts=True)
