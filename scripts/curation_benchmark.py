@@ -6,8 +6,10 @@ prompts before training and every --eval-every steps (greedy pass@1; 4 samples a
 best-of-4). For each run it reads the rollouts generated, the share of flat (zero-variance) groups trained on,
 the wall-clock of a step (rollout, scoring, update), and the held-out numbers at the end, at the plain run's
 rollout budget and at its wall-clock (the last evaluation before the strategy has spent as much). Finished runs
-are skipped, so an interrupted sweep continues. Prints a markdown table (mean ± spread over seeds) and writes
-JSON with every run's numbers.
+are skipped, so an interrupted sweep continues: each finished run's numbers are kept as a small JSON under
+--keep (committed with the docs, so a sweep longer than one machine's life continues on the next), and a kept
+run whose settings differ from this call's is run again. Prints a markdown table (mean ± spread over seeds) and
+writes JSON with every run's numbers.
 
     python scripts/curation_benchmark.py --tasks sudoku countdown --seeds 0 1 --steps 100
     python scripts/curation_benchmark.py --strategies none greso --steps 4 --eval-every 2   # a quick look
@@ -75,6 +77,20 @@ def numbers(path: Path, rollouts_per_step: int) -> dict:
             "evals": evals.to_dict("records")}
 
 
+def settings(task: str, strategy: str, seed: int, args: argparse.Namespace) -> dict:
+    """What makes two runs the same run (a kept run with other settings is run again)."""
+    return {"task": task, "strategy": strategy, "seed": seed, "steps": args.steps, "eval_every": args.eval_every,
+            "eval_prompts": args.eval_prompts, "overrides": COMMON + STRATEGIES[strategy] + args.overrides}
+
+
+def kept(path: Path, wanted: dict) -> dict | None:
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record["numbers"] if record.get("settings") == wanted else None
+
+
 def at_spend(run: dict, cumulative: list[float], limit: float) -> dict:
     """The last evaluation at a step whose cumulative spend is within `limit`."""
     within = {0} | {s for s, c in zip(run["steps"], cumulative) if c <= limit * (1 + 1e-9)}
@@ -97,29 +113,38 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time")
     parser.add_argument("--threads", type=int, default=1, help="OMP threads per run")
-    parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--eval-every", type=int, default=20,
+                        help="held-out evaluations (each costs about 5 x eval-prompts generations)")
     parser.add_argument("--eval-prompts", type=int, default=128)
     parser.add_argument("--out", default="runs/curation")
     parser.add_argument("--json", default="docs/curation_benchmark.json")
+    parser.add_argument("--keep", default="docs/curation_benchmark", help="each finished run's numbers")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     args = parser.parse_args()
     if "none" not in args.strategies:
         args.strategies = ["none", *args.strategies]  # the baseline every ratio is taken against
 
-    out = Path(args.out)
+    out, keep = Path(args.out), Path(args.keep)
     plan = [(task, s, seed) for task in args.tasks for s in args.strategies for seed in args.seeds]
-    todo = [p for p in plan if not analysis.finished(run_dir(out, *p), args.steps)]
+    kept_path = {p: keep / p[0] / f"{p[1]}-s{p[2]}.json" for p in plan}
+    runs = {p: kept(kept_path[p], settings(*p, args)) for p in plan}
+    todo = [p for p in plan if runs[p] is None]
     started = time.perf_counter()
+    per_step = 8 * 6
 
     def work(item):
-        print(f"running {' '.join(map(str, item))} ...", flush=True)
-        launch(run_dir(out, *item), *item, args)
+        if not analysis.finished(run_dir(out, *item), args.steps):
+            print(f"running {' '.join(map(str, item))} ...", flush=True)
+            launch(run_dir(out, *item), *item, args)
+        runs[item] = numbers(run_dir(out, *item), per_step)
+        kept_path[item].parent.mkdir(parents=True, exist_ok=True)
+        kept_path[item].write_text(json.dumps({"settings": settings(*item, args), "numbers": runs[item]},
+                                              default=float) + "\n")
+        print(f"finished {' '.join(map(str, item))}: {kept_path[item]}", flush=True)
 
     with ThreadPoolExecutor(args.jobs) as pool:  # each job is a subprocess with its own OMP threads
         list(pool.map(work, todo))
 
-    per_step = 8 * 6
-    runs = {p: numbers(run_dir(out, *p), per_step) for p in plan}
     results = []
     for task, strategy, seed in plan:
         run, base = runs[(task, strategy, seed)], runs[(task, "none", seed)]
