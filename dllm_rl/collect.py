@@ -153,7 +153,7 @@ class InProcessRollouts:
         return Rows("on_policy", samples.sequences_BL, samples.attention_mask_BL, samples.prompt_length,
                     completion_mask(samples.completion_BC, eos_id), samples.unmask_step_BC, prompt_N, [],
                     completion_texts(tokenizer, samples.completion_BC, eos_id), version=batch.step,
-                    estimator=self.estimator, sampler_logp_NC=samples.confidence_BC.clamp(min=1e-30).log(),
+                    estimator=self.estimator, sampler_logp_NC=samples.logp_BC,
                     prompt_id_N=torch.tensor([q for _, q, _ in keys], device=device),
                     rollout_N=torch.tensor([g for _, _, g in keys], device=device))
 

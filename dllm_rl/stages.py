@@ -116,12 +116,16 @@ def assign_advantages(batch: StepBatch, advantage: str, mixer, dp: DataParallel)
 
 
 def score_old_and_reference(batch: StepBatch, policy, reference, iterations: int, reuse_current: bool, seed: int,
-                            autocast: ContextManager, mixer=None, dp: DataParallel | None = None) -> None:
+                            autocast: ContextManager, mixer=None, dp: DataParallel | None = None,
+                            replay: bool = False) -> None:
     """Each row's estimator mask seed per inner iteration (a function of seed, step, iteration, source and the
     row's key: old, reference and current policy share it), then its old and reference log-probs under those masks.
     With `reuse_current` (one iteration, one minibatch) the old log-probs are the current ones detached, as in
-    d1. With the mixer's importance correction, the external rows' weights from their old log-probs. Scored in
-    eval mode: dropout (LoRA's) would make them noisy and draw from the global RNG."""
+    d1. With `replay` (`likelihood.estimators.replays_rollout`: the sampler recorded the estimator's very values)
+    the on-policy rows made by the current policy (their version is the step) take the sampler's log-probs as the
+    old ones, with no forward; it is the same decision on every rank, so ZeRO-3's forwards stay in step. With the
+    mixer's importance correction, the external rows' weights from their old log-probs. Scored in eval mode:
+    dropout (LoRA's) would make them noisy and draw from the global RNG."""
     for source, rows in batch.rows.items():
         tag = () if source == "on_policy" else (source,)
         rows.mask_seeds = [[0] * len(rows) if rows.inert else
@@ -130,8 +134,9 @@ def score_old_and_reference(batch: StepBatch, policy, reference, iterations: int
     lockstep = dp.lockstep if dp is not None else None
     with torch.no_grad(), autocast, eval_mode(policy.model):
         for rows in batch.rows.values():
-            rows.old_logp = [None if reuse_current else rows.score_all(policy, it, lockstep)
-                             for it in range(iterations)]
+            replayed = replay and rows.source == "on_policy" and rows.version == batch.step
+            rows.old_logp = [None if reuse_current else rows.sampler_logp_NC.float() if replayed
+                             else rows.score_all(policy, it, lockstep) for it in range(iterations)]
             rows.ref_logp = [None if reference is None else rows.score_all(reference, it, lockstep)
                              for it in range(iterations)]
     if mixer is not None and mixer.config.correction == "is":

@@ -56,7 +56,7 @@ from dllm_rl.engine import (Engine, World, broadcast_object, deepspeed_config, i
                             partitioned_loading, peers_answering, roll_call, stop_together)
 from dllm_rl.errors import ConfigError, Interrupted, require
 from dllm_rl.external.mixer import build_mixer
-from dllm_rl.likelihood.estimators import build_estimator
+from dllm_rl.likelihood.estimators import build_estimator, replays_rollout
 from dllm_rl.optim import lr_factor
 from dllm_rl.policy.adapters import MODEL_TYPES, check_cache_kind, hidden_size_of, load_policy, read_config
 from dllm_rl.policy.lora import AdapterOff, add_adapters, enable_gradient_checkpointing, trainable_parameters
@@ -294,7 +294,8 @@ def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned,
         estimators={"on_policy": estimator, **({"external": mixer.estimator} if mixer is not None else {})},
         score=functools.partial(score_old_and_reference, policy=policy, reference=learned.reference,
                                 iterations=cfg.inner_iterations, reuse_current=reuse_current, seed=cfg.seed,
-                                autocast=autocast, mixer=mixer, dp=dp),
+                                autocast=autocast, mixer=mixer, dp=dp,
+                                replay=cfg.replay_rollout_logp and replays_rollout(estimator, cfg.sampler)),
         correct=SamplerCorrectionStage(correction, policy, generating) if correction.on else None,
         learner=learner,
         held_out=HeldOut(greedy, sampler, task, tokenizer, cfg.eval_prompts, cfg.eval_samples, cfg.seed, generating),

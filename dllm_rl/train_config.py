@@ -85,6 +85,7 @@ class TrainConfig:
     max_bad_steps: int = 5
     tensorboard: bool = True
     gradient_checkpointing: bool = False
+    replay_rollout_logp: bool = True
     rollout: dict[str, Any] = _group("rollout")
     likelihood: dict[str, Any] = _group("likelihood")
     algo: dict[str, Any] = _group("algo")

@@ -29,6 +29,9 @@ class Samples:
     unmask_step_BC: torch.Tensor
     confidence_BC: torch.Tensor
     forwards: int = 0  # model forward passes the batch took (a denoising sampler; 0 where not counted)
+    # a denoising sampler's log-probability of each committed token under the policy (temperature 1, the whole
+    # vocabulary) at the state it was committed from: the `ordered` estimator's value (rollout/sampler.py)
+    logp_BC: torch.Tensor | None = None
 
     @property
     def completion_BC(self) -> torch.Tensor:

@@ -6,7 +6,7 @@ policy mu near, not equal to, the policy pi the learner scores. Sparse-RL correc
 here for every on-policy dLLM rollout when `sampler_correction.mode` is not none:
 
 - both sides give each completion token the probability of the token that was committed, at the state it was
-  committed from: the sampler records it as it decodes (`Samples.confidence_BC`), the learner recomputes it
+  committed from: the sampler records it as it decodes (`Samples.logp_BC`), the learner recomputes it
   with the `ordered` estimator (the tokens revealed before the token's step, the rest masked; one group per
   step), both at temperature 1, so the comparison measures the sampler's approximation and nothing else;
 - a rollout's ratio is the geometric mean of its token ratios, r = exp(mean_t (log pi_t - log mu_t)) over its

@@ -204,6 +204,22 @@ LOGITS_CALLS: dict[str, Callable[..., int]] = {
 }
 
 
+def replays_rollout(estimator: "Estimator", rollout: dict[str, Any]) -> bool:
+    """Whether the log-probs the denoising sampler records as it commits each token (`Samples.logp_BC`) are
+    this estimator's values for the rollout, so that the old policy's need no forward while the policy is the one
+    that sampled it (JustGRPO's recipe: decode in AR order, score with the exact AR-order likelihood). True for
+    `ordered` and `left_to_right` with one step per forward (`group` 1: a larger group scores a step from an
+    earlier state than the sampler committed it from) when the sampler's logits are the policy's (no block cache,
+    or one refreshed every step; no classifier-free guidance), and for `left_to_right` only when the sampler
+    decodes in that order (`block_length` 1: one position per block, so position i is committed at step i).
+    `rollout` is the sampler's settings (the `rollout` group)."""
+    if estimator.name not in ("ordered", "left_to_right") or estimator.options.get("group", 1) != 1:
+        return False
+    exact_logits = (rollout.get("cache", "none") == "none" or rollout.get("cache_refresh", 0) == 1) and \
+        rollout.get("cfg_scale", 0.0) == 0
+    return exact_logits and (estimator.name == "ordered" or rollout.get("block_length") == 1)
+
+
 def estimate_logp(name: str, policy, ids_NL, attention_mask_NL, prompt_length: int, **kwargs) -> torch.Tensor:
     """logp_NC from the estimator called `name` (see ESTIMATORS); kwargs are its options."""
     fn, _, _ = pick(ESTIMATORS, name, "likelihood estimator")

@@ -18,8 +18,14 @@ How it departs from the reference:
 - Prompts are left-padded with an attention mask (LLaDA's reference takes one unpadded prompt).
 - The mask token is excluded from the predictions (an untrained or RL-drifted model may otherwise
   "unmask" a position into the mask token).
-- It records, for each completion token, the step at which it was unmasked and its probability. A step counts
-  for a row when the row still had masked tokens in the block being decoded: with parallel decoding a row
+- It records, for each completion token, the step at which it was unmasked, its probability among the tokens
+  it could commit (the confidence low-confidence remasking ranks by) and its log-probability under the policy:
+  temperature 1 and the whole vocabulary, the mask token included, which is exactly what the `ordered` estimator
+  scores the token by (the tokens of earlier steps revealed, the rest masked), whatever temperature it sampled
+  at. With the exact sampler (no block cache, or one refreshed every step; no classifier-free guidance, whose
+  logits are not the policy's) the recorded log-probs are the ordered likelihood of the rollout, which the trainer
+  then takes as the old policy's instead of scoring it again (`likelihood.estimators.replays_rollout`). A step
+  counts for a row when the row still had masked tokens in the block being decoded: with parallel decoding a row
   that finished its block early waits for the others without counting, so its steps (what the `ordered`
   estimator scores by) do not depend on the rows batched with it.
 
@@ -218,6 +224,7 @@ def denoise(
     is_prompt_BL[:, :P] = prompt_mask_BP.bool()
     unmask_step_BC = torch.full((B, gen_length), -1, dtype=torch.long, device=device)
     confidence_BC = torch.zeros((B, gen_length), dtype=torch.float32, device=device)
+    logp_BC = torch.zeros((B, gen_length), dtype=torch.float32, device=device)
     step = 0
     row_step_B = torch.zeros(B, dtype=torch.long, device=device)  # each row's own count of its decoding steps
     block_cache = None if cache == "none" else BlockCache()
@@ -237,23 +244,28 @@ def denoise(
                 break
             refresh = block_cache is None or i == 0 or (cache_refresh > 0 and i % cache_refresh == 0)
             span = None if refresh else (P + lo, x_BL.shape[1] if cache == "prefix" else P + hi)
-            logits_BCV = window_logits(policy, x_BL, attention_mask_BL, is_prompt_BL, cfg_scale, P, block_cache, span)
+            logits_BCV, mask_logit_BC = window_logits(policy, x_BL, attention_mask_BL, is_prompt_BL, cfg_scale, P,
+                                                      block_cache, span)
             x0_BC = gumbel_argmax(logits_BCV, temperature, generators, active_B=active_B)
             prob_BC = F.softmax(logits_BCV.double(), dim=-1).gather(-1, x0_BC[..., None]).squeeze(-1)
+            step_logp_BC = policy_logp(logits_BCV, mask_logit_BC, x0_BC)
             chosen_BC = step_commits(prob_BC, eligible_BC, transfer_BS[:, i : i + 1], random_first and step == 0,
                                      threshold, factor, remasking, generators)
             x_BL[:, P:] = torch.where(chosen_BC, x0_BC, window_BC)
             unmask_step_BC = torch.where(chosen_BC, row_step_B[:, None], unmask_step_BC)
             row_step_B += active_B.long()
             confidence_BC[chosen_BC] = prob_BC[chosen_BC].float()
+            logp_BC[chosen_BC] = step_logp_BC[chosen_BC].float()
             step += 1
-    return Samples(x_BL, attention_mask_BL, P, unmask_step_BC, confidence_BC, forwards=step * (2 if cfg_scale else 1))
+    return Samples(x_BL, attention_mask_BL, P, unmask_step_BC, confidence_BC, forwards=step * (2 if cfg_scale else 1),
+                   logp_BC=logp_BC)
 
 
 def window_logits(policy, x_BL, attention_mask_BL, is_prompt_BL, cfg_scale: float, P: int,
-                  block_cache: BlockCache | None, span: tuple[int, int] | None) -> torch.Tensor:
-    """The completion window's logits (B, C, V), the mask token excluded (LLaDA relies on a trained model never
-    predicting it). With a block cache: a refresh (`span` None: every position, the cache rewritten) or a
+                  block_cache: BlockCache | None, span: tuple[int, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits_BCV, mask_logit_BC): the completion window's logits, the mask token excluded (LLaDA relies on a
+    trained model never predicting it), and the mask token's logit as it was (what the policy's log-probability
+    is normalised with). With a block cache: a refresh (`span` None: every position, the cache rewritten) or a
     forward of `span` alone, placed at its positions (the others get zeros: they are outside the current
     block, so nothing is committed there)."""
     if block_cache is not None:
@@ -264,8 +276,17 @@ def window_logits(policy, x_BL, attention_mask_BL, is_prompt_BL, cfg_scale: floa
     else:
         logits_BCV = out_BSV.new_zeros(x_BL.shape[0], x_BL.shape[1] - P, out_BSV.shape[-1])
         logits_BCV[:, span[0] - P:span[1] - P] = out_BSV
+    mask_logit_BC = logits_BCV[..., policy.mask_id].clone()
     logits_BCV[..., policy.mask_id] = float("-inf")
-    return logits_BCV
+    return logits_BCV, mask_logit_BC
+
+
+def policy_logp(logits_BCV: torch.Tensor, mask_logit_BC: torch.Tensor, token_BC: torch.Tensor) -> torch.Tensor:
+    """log p(token) under the policy at temperature 1 over the whole vocabulary: `logits_BCV` with the mask
+    token excluded (-inf), its logit given apart (float64)."""
+    logits64 = logits_BCV.double()
+    log_norm_BC = torch.logaddexp(logits64.logsumexp(-1), mask_logit_BC.double())
+    return logits64.gather(-1, token_BC[..., None]).squeeze(-1) - log_norm_BC
 
 
 def step_commits(prob_BC: torch.Tensor, eligible_BC: torch.Tensor, transfer_B1: torch.Tensor, random: bool,
