@@ -13,6 +13,7 @@ package (an editable install from a clone).
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import re
 import sys
@@ -24,7 +25,7 @@ from hydra.errors import HydraException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from dllm_rl.errors import ConfigError, RunStopped, check_kwargs, check_types, did_you_mean, pick
+from dllm_rl.errors import ConfigError, RunStopped, check_kwargs, check_types, did_you_mean, pick, require
 
 
 def config_dir() -> Path:
@@ -59,10 +60,15 @@ def run_generate(cfg: dict[str, Any]) -> None:
 
 
 def run_eval(cfg: dict[str, Any]) -> None:
-    from dllm_rl.data import build_task
+    from dllm_rl.data import TASKS, build_task
     from dllm_rl.evaluate import run_eval as evaluate
 
-    task = build_task(**cfg.pop("task"))
+    task_cfg, protocol = cfg.pop("task"), cfg["protocol"]
+    known = inspect.signature(pick(TASKS, task_cfg.get("name"), "task")).parameters
+    for key, value in protocol.get("task", {}).items():  # the protocol's prompts and parsers
+        require(key in known, f"protocol={protocol.get('name')} sets task.{key}={value!r}, and task="
+                f"{task_cfg.get('name')} has no such setting: the protocol does not apply to this task")
+    task = build_task(**{**task_cfg, **protocol.get("task", {})})
     cfg["rollout"].pop("name", None)
     check_kwargs(evaluate, cfg, "")
     check_types(evaluate, cfg, "")

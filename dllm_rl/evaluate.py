@@ -9,7 +9,9 @@ derived from (seed, prompt index, sample index) alone, so results do not depend 
   as the selector; equals pass@k's plug-in estimate when rewards are 0/1).
 
 Writes `samples.jsonl` (one line per completion: task, uid, prompt, completion, reward, correct,
-formatted, reason, num_tokens, sample, source) and `summary.json` into `output_dir`, when given.
+formatted, reason, num_tokens, sample, source, and from `dllm-rl eval` gen_length) and `summary.json` into
+`output_dir`, when given. `dllm-rl eval` evaluates at each length of an evaluation protocol
+(`dllm_rl.protocols`) in one call.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any, Callable, Sequence
 from tqdm import tqdm
 
 from dllm_rl.data.task import Task, draw_examples, render_prompt
+from dllm_rl.device import device_of
 from dllm_rl.errors import check_ranges, require
 from dllm_rl.seeds import derive_seed
 
@@ -98,38 +101,93 @@ def evaluate_task(
     return summary, records
 
 
-def write_results(output_dir: str, summaries: dict[str, dict], records: Sequence[dict], meta: dict) -> None:
-    """samples.jsonl and summary.json, each written to a temporary name and renamed (never half-written)."""
+def write_results(output_dir: str, summaries: dict[str, dict], records: Sequence[dict], meta: dict,
+                  lengths: dict[str, dict] | None = None) -> None:
+    """samples.jsonl and summary.json, each written to a temporary name and renamed (never half-written).
+    summary.json holds `meta`, `tasks` (task -> summary: one generation length) and, from `dllm-rl eval`,
+    `lengths` (length -> task -> summary: every length of the protocol)."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    summary = {"meta": meta, "tasks": summaries, **({} if lengths is None else {"lengths": lengths})}
     for name, text in (("samples.jsonl", "".join(json.dumps(r) + "\n" for r in records)),
-                       ("summary.json", json.dumps({"meta": meta, "tasks": summaries}, indent=2) + "\n")):
+                       ("summary.json", json.dumps(summary, indent=2) + "\n")):
         tmp = out / f".{name}.tmp"
         tmp.write_text(text)
         os.replace(tmp, out / name)
 
 
 def run_eval(task: Task, *, model: str, kind: str = "auto", dtype: str = "float32", rollout: dict[str, Any],
-             num_prompts: int | None = 100, num_samples: int = 1, batch_size: int = 32, seed: int = 0, split: str = "test",
-             chat: bool = True, output_dir: str | None = None, trust_remote_code: bool = False,
-             device: str = "auto", print_fn=print) -> dict[str, float]:
-    """`dllm-rl eval`: load `model`, evaluate it on `task`, write samples.jsonl and summary.json."""
+             protocol: dict[str, Any] | None = None, num_prompts: int | None = 100, num_samples: int = 1,
+             batch_size: int = 32, seed: int = 0, split: str = "test", chat: bool = True, output_dir: str | None = None,
+             trust_remote_code: bool = False, device: str = "auto", print_fn=print) -> dict[str, Any]:
+    """`dllm-rl eval`: load `model`, evaluate it on `task` at each of the protocol's lengths (`dllm_rl.protocols`;
+    none: the rollout as given), print one table, and write samples.jsonl and summary.json. Returns the summary
+    of each length. Every length is checked against the model's context before anything is generated."""
+    import dataclasses
+
     from dllm_rl.data.task import SPLITS, describe_splits
+    from dllm_rl.protocols import Protocol, environment
     from dllm_rl.rollout.generate import load_generator
 
     check_ranges(dict(num_prompts=num_prompts, num_samples=num_samples, batch_size=batch_size),
                  dict.fromkeys(("num_prompts", "num_samples", "batch_size"), "at_least_1"))
     require(split in SPLITS, f"split must be one of {SPLITS}, got {split!r}")
+    protocol = Protocol(**(protocol or {}))
+    runs = protocol.settings(rollout)
     note = describe_splits(task, needed=(split,))  # before the model loads
     if note:
         print_fn(note)
     generator = load_generator(model, kind=kind, dtype=dtype, trust_remote_code=trust_remote_code, device=device,
-                               **rollout)
-    summary, records = evaluate_task(
-        generator, task, num_prompts=num_prompts, num_samples=num_samples, batch_size=batch_size, seed=seed,
-        split=split, tokenizer=generator.tokenizer if chat else None, source=model, print_fn=print_fn)
+                               **runs[0])
+    tokenizer = generator.tokenizer if chat else None
+    check_context(generator, task, runs, protocol, split=split, num_prompts=num_prompts, seed=seed, tokenizer=tokenizer)
+    summaries, records = {}, []
+    for settings in runs:
+        length = settings["gen_length"]
+        summary, done = evaluate_task(
+            dataclasses.replace(generator, **settings), task, num_prompts=num_prompts, num_samples=num_samples,
+            batch_size=batch_size, seed=seed, split=split, tokenizer=tokenizer, source=model, print_fn=print_fn)
+        summaries[length] = summary
+        records += [{**r, "gen_length": length} for r in done]
     output_dir = output_dir or time.strftime("runs/eval-%Y%m%d-%H%M%S")
-    meta = {"model": model, "task": task.name, "split": split, "seed": seed, "rollout": rollout}
-    write_results(output_dir, {task.name: summary}, records, meta)
+    meta = {"model": model, "task": task.name, "split": split, "seed": seed, "rollout": rollout,
+            "protocol": dataclasses.asdict(protocol), "settings": runs,
+            **environment(device_of(generator.model), dtype)}
+    write_results(output_dir, {task.name: summaries[runs[0]["gen_length"]]} if len(runs) == 1 else {}, records, meta,
+                  lengths={str(n): {task.name: s} for n, s in summaries.items()})
+    print_fn(length_table(task.name, protocol.name, runs, summaries))
     print_fn(f"wrote {output_dir}/samples.jsonl and {output_dir}/summary.json")
-    return summary
+    return summaries
+
+
+def check_context(generator, task: Task, runs: list[dict[str, Any]], protocol, *, split: str, num_prompts: int | None,
+                  seed: int, tokenizer) -> None:
+    """Every length fits the model's context after the longest prompt evaluated (a named error otherwise)."""
+    context = getattr(generator.model, "context_length", None) if generator.is_diffusion else None
+    if context is None:
+        return
+    examples = draw_examples(task, split, num_prompts, seed, "num_prompts")
+    widest = max(len(generator.tokenizer(render_prompt(task.prompt(e), tokenizer), add_special_tokens=False)
+                     ["input_ids"]) for e in examples)
+    fits = [s["gen_length"] for s in runs if widest + s["gen_length"] <= context]
+    for settings in runs:
+        require(widest + settings["gen_length"] <= context,
+                f"protocol={protocol.name}: length {settings['gen_length']} after the longest prompt of {widest} tokens "
+                f"exceeds the model's context of {context}; "
+                + (f"evaluate the lengths that fit with protocol.lengths={fits}" if fits else "no length of the protocol "
+                   "fits this model"))
+
+
+def length_table(task: str, protocol: str, runs: list[dict[str, Any]], summaries: dict[int, dict]) -> str:
+    """One markdown table: a row per length (its steps and blocks), pass@k and best-of-k, format, tokens."""
+    first = summaries[runs[0]["gen_length"]]
+    ks = [k for k in first if k.startswith(("pass@", "best_of_"))]
+    head = ["length", "steps", "block", *ks, "format", "tokens", "s"]
+    lines = [f"{task}, protocol={protocol}", "| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for s in runs:
+        r = summaries[s["gen_length"]]
+        steps = "adaptive" if s.get("threshold") is not None or s.get("factor") is not None else s["steps"]
+        cells = [s["gen_length"], steps, s["block_length"], *(f"{r[k]:.3f}" for k in ks), f"{r['format_rate']:.3f}",
+                 f"{r['completion_tokens_mean']:.1f}", f"{r['seconds']:.0f}"]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines)

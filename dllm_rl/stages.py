@@ -137,6 +137,8 @@ def score_old_and_reference(batch: StepBatch, policy, reference, iterations: int
             replayed = replay and rows.source == "on_policy" and rows.version == batch.step
             rows.old_logp = [None if reuse_current else rows.sampler_logp_NC.float() if replayed
                              else rows.score_all(policy, it, lockstep) for it in range(iterations)]
+            if rows.source == "on_policy":
+                batch.metrics["likelihood/old_from_rollout"] = float(replayed and not reuse_current)
             rows.ref_logp = [None if reference is None else rows.score_all(reference, it, lockstep)
                              for it in range(iterations)]
     if mixer is not None and mixer.config.correction == "is":
