@@ -14,6 +14,11 @@
 #   train       the main job (the embedded models) for 6 steps on CUDA, held-out pass@1 before and after
 #   step_8b     one GRPO step of a random LLaDA-8B-shaped model: LoRA r=128, gradient checkpointing, bf16, ZeRO-2
 #   speculative speculative external rollouts (SRT) against plain sampling on CUDA (scripts/bench_speculative.py)
+# Behind a flag, since it needs real weights and data (LLADA8B=<LLaDA-8B-Instruct dir> GSM8K_TEST=<test jsonl>):
+#   eval_llada8b  `dllm-rl eval protocol=d1` of that model on that file, every d1 length (128, 256, 512) in bf16,
+#               the first EVAL_PROMPTS problems (default 64; the literature uses all 1319), within EVAL_LIMIT_S
+#               seconds (default 1800); the table in out_dir/eval_llada8b.log, the results in out_dir/eval_llada8b/
+#   LLADA8B=/ckpt/LLaDA-8B-Instruct GSM8K_TEST=/data/gsm8k/test.jsonl bash scripts/gpu_check.sh
 # Exits non-zero when any check fails.
 set -u
 cd "$(dirname "$0")/.."
@@ -21,6 +26,10 @@ OUT_DIR=${1:-${OUT:-runs/gpu_check}}
 PY=${PYTHON:-python3}
 WORK=$(mktemp -d /tmp/dllm_rl_gpu_check.XXXX)
 export PY SKIP_INSTALL PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the checkout imports even where `pip install -e` cannot
+if [ -n "${LLADA8B:-}" ] && [ -z "${GSM8K_TEST:-}" ]; then
+  echo "LLADA8B=$LLADA8B needs GSM8K_TEST=<a GSM8K test jsonl> (the problems the d1 protocol evaluates)" >&2
+  exit 2
+fi
 mkdir -p "$OUT_DIR"
 : > "$OUT_DIR/checks.tsv"
 failed=0
@@ -68,7 +77,7 @@ PY
 export -f install cuda
 check install 120 bash -c install
 if ! check cuda 30 bash -c cuda; then
-  for name in gpu_tests train step_8b speculative; do
+  for name in gpu_tests train step_8b speculative ${LLADA8B:+eval_llada8b}; do
     echo "FAIL $name (not run: no usable GPU)"
     printf '%s\t%s\t%s\n' "$name" 1 0 >> "$OUT_DIR/checks.tsv"
   done
@@ -82,6 +91,11 @@ cp "$WORK/train/metrics.jsonl" "$OUT_DIR/train_metrics.jsonl" 2>/dev/null
 check step_8b 150 "$PY" scripts/gpu_step.py --work "$WORK/step" --out "$OUT_DIR/gpu_step.json"
 check speculative 60 "$PY" scripts/bench_speculative.py --device cuda --rounds 3 --draft-tokens 4 8 \
   --out "$OUT_DIR/bench_speculative.json"
+if [ -n "${LLADA8B:-}" ]; then
+  check eval_llada8b "${EVAL_LIMIT_S:-1800}" "$PY" -m dllm_rl.cli eval protocol=d1 trust_remote_code=true \
+    model="$LLADA8B" task=gsm8k task.test_file="$GSM8K_TEST" num_prompts="${EVAL_PROMPTS:-64}" dtype=bfloat16 \
+    batch_size=8 output_dir="$OUT_DIR/eval_llada8b"
+fi
 fi
 
 "$PY" - "$OUT_DIR" <<'PY'
@@ -104,6 +118,11 @@ if speculative.is_file():
 step = out / "gpu_step.json"
 if step.is_file():
     result["step_8b"] = json.loads(step.read_text())
+evaluation = out / "eval_llada8b" / "summary.json"
+if evaluation.is_file():
+    summary = json.loads(evaluation.read_text())
+    result["eval_llada8b"] = {"protocol": summary["meta"]["protocol"]["name"], "device": summary["meta"]["device_name"],
+                              "pass@1": {n: s["gsm8k"]["pass@1"] for n, s in summary["lengths"].items()}}
 (out / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")
 print(f"wrote {out / 'gpu_check.json'}")
 PY

@@ -39,3 +39,18 @@ def test_gpu_check_says_one_line_per_check_and_fails_without_a_gpu(tmp_path):
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert result["checks"]["install"]["passed"] and not result["checks"]["cuda"]["passed"]
     assert set(result["checks"]) == {"install", "cuda", "gpu_tests", "train", "step_8b", "speculative"}
+
+
+def test_the_llada8b_evaluation_is_behind_its_flag_and_needs_its_data(tmp_path):
+    """With LLADA8B set, gpu_check.sh adds the d1-protocol evaluation of that model (not run without a GPU), and
+    refuses to start without the GSM8K file it evaluates on."""
+    env = {**NO_GPU, "SKIP_INSTALL": "1", "PYTHON": sys.executable, "LLADA8B": str(tmp_path / "llada")}
+    refused = subprocess.run(["bash", "scripts/gpu_check.sh", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                             env=env, timeout=60)
+    assert refused.returncode == 2 and "needs GSM8K_TEST=" in refused.stderr
+    done = subprocess.run(["bash", "scripts/gpu_check.sh", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          env={**env, "GSM8K_TEST": str(tmp_path / "test.jsonl")}, timeout=300)
+    assert done.returncode == 1
+    assert "FAIL eval_llada8b (not run: no usable GPU)" in done.stdout
+    assert "eval_llada8b" in json.loads((tmp_path / "gpu_check.json").read_text())["checks"]
+

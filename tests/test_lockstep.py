@@ -20,7 +20,7 @@ from tests.policy.remote_standins import write_llada
 
 PROMPTS = ["12+7=", "3*4-5=", "9=", "3*4-5="]  # three prompt lengths: three spans for LLaDA
 OPTIONS = {"mean_field": {}, "elbo": {"num_masks": 2}, "coupled": {"num_masks": 2}, "ordered": {"group": 3},
-           "left_to_right": {"group": 4}}
+           "left_to_right": {"group": 4}, "espo": {"num_masks": 2}}
 COUNTER = itertools.count()
 
 

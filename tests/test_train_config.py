@@ -74,6 +74,18 @@ def test_the_8b_recipes_compose_into_valid_configs(experiment):
     assert config.external["name"] == ("causal_lm" if experiment == "llada8b_erils" else "none")
 
 
+def test_the_espo_recipe_has_espos_settings():
+    cfg = cli.to_plain(cli.compose_config("train", ["+experiment=llada8b_espo", "model=/models/x", "task=gsm8k"]))
+    cfg.pop("task")
+    config = TrainConfig.from_options(cfg)
+    assert config.likelihood == {"name": "espo", "num_masks": 2}
+    assert (config.rollout["gen_length"], config.rollout["block_length"], config.rollout["steps"]) == (256, 32, 256)
+    assert (config.group_size, config.inner_iterations, config.minibatch_size, config.lora["r"]) == (6, 8, 96, 128)
+    assert (config.algo["advantage"], config.algo["kl"], config.algo["eps_low"]) == ("loo", "k2", 0.2)
+    assert config.algo["beta"] == pytest.approx(1e-3 * config.rollout["gen_length"])  # ESPO's beta, rescaled
+    assert config.rollout["temperature"] == 1.0 and config.lr == 3e-6
+
+
 def test_held_out_pass_at_1_decodes_exactly_and_greedily_whatever_the_rollouts_use():
     from dllm_rl.rollout.sampler import check_sampler_settings
     from dllm_rl.train import held_out_settings

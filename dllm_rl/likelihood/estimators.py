@@ -14,6 +14,7 @@ rollout). Cost is in forward passes per row:
 | coupled        | DiffuCoder coupled-GRPO (2506.20639)    | 2M        | sequence |
 | ordered        | TraceRL (arXiv 2509.06949)              | S / group | token    |
 | left_to_right  | ordered, one position per step          | C / group | token    |
+| espo           | ESPO (arXiv 2512.03759)                 | 2M        | sequence / C |
 
 - mean_field: every completion token masked, each prompt token masked with probability
   `prompt_mask_prob` (d1 uses 0.15); one forward; log p of each clean completion token.
@@ -104,13 +105,14 @@ def _masked_passes(policy, ids_NL, attention_mask_NL, P: int, masks_NMC, weights
     return (logp_NC.view(N, M, C) * masks_NMC * weights_NMC).mean(1)
 
 
-def masks_of_counts(generator: torch.Generator, num: int, C: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(l_M1, is_masked_MC): `num` mask counts l in 1..C, stratified (one uniform offset, evenly spaced strata,
-    each l uniform on 1..C), and for each exactly l of the C tokens masked, chosen uniformly (the l lowest of C
-    uniform scores). LLaDA's `get_log_likelihood` masking."""
+def masks_of_counts(generator: torch.Generator, num: int, C: int, lowest: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(l_M1, is_masked_MC): `num` mask counts l in lowest..C, stratified (one uniform offset, evenly spaced
+    strata, each l uniform on lowest..C), and for each exactly l of the C tokens masked, chosen uniformly (the l
+    lowest of C uniform scores). LLaDA's `get_log_likelihood` masking (lowest 1); ESPO's (lowest 0)."""
     u0 = torch.rand(1, generator=generator, dtype=torch.float64, device=generator.device)
     u_M = (u0 + torch.arange(num, dtype=torch.float64, device=generator.device) / num) % 1.0
-    l_M1 = (u_M * C).floor().clamp(max=C - 1)[:, None] + 1
+    span = C + 1 - lowest
+    l_M1 = (u_M * span).floor().clamp(max=span - 1)[:, None] + lowest
     scores_MC = torch.rand((num, C), generator=generator, dtype=torch.float64, device=generator.device)
     return l_M1, scores_MC.argsort(1).argsort(1) < l_M1
 
@@ -146,6 +148,36 @@ def coupled(policy, ids_NL, attention_mask_NL, prompt_length: int, *, seeds_N, o
         t_M1, mask_a = masks_at_times(g, num_masks, C, eps, t_max=1.0 - eps)
         masks.append(torch.cat([mask_a, ~mask_a]))
         weights.append(torch.cat([(1.0 / t_M1).expand(num_masks, C), (1.0 / (1.0 - t_M1)).expand(num_masks, C)]))
+    return _masked_passes(policy, ids_NL, attention_mask_NL, prompt_length,
+                          torch.stack(masks).to(ids_NL.device), torch.stack(weights).float().to(ids_NL.device))
+
+
+def espo(policy, ids_NL, attention_mask_NL, prompt_length: int, *, seeds_N, order_NC=None,
+         num_masks: int = 2) -> torch.Tensor:
+    """ESPO's sequence ELBO per window token (arXiv 2512.03759; github.com/ML-GSAI/ESPO, `espo_trainer.py`,
+    `forward_process` and `_get_elbo`), so that its sum over the counted tokens is the ELBO divided by the window C.
+
+    ESPO forms the importance ratio at the sequence level from the ELBO, normalised per token (its Eq. for the
+    ratio): rho = exp((ELBO_theta(y) - ELBO_old(y)) / L), L the generation window, clipped as in PPO, with a k2
+    KL on the same normalised ELBO. The ELBO is estimated with `num_masks` pairs of complementary masks: l of the
+    C window tokens masked, l stratified on 0..C, weight (C + 1) / l, and the other C - l masked, weight
+    (C + 1) / (C - l) (a pass with no masked token adds nothing); each pair's two terms are averaged. Each half
+    is an unbiased estimate of LLaDA's ELBO (E[(C+1)/l] over l uniform on 0..C weights a mask of k tokens as the
+    fixed-count form does), the complement lowers the variance. One `policy.logits` call on N x 2M rows.
+
+    Departures: ESPO stratifies l over the rows of a micro-batch; here over each row's own `num_masks` pairs
+    (from the row's mask seed, so a row's masks do not depend on its batch). ESPO sums its ELBO over the whole
+    window, the EOS fill after the answer included; here, as for every estimator of this project, over the
+    counted tokens (up to and including the first EOS), still divided by the window C."""
+    require(num_masks >= 1, f"num_masks must be >= 1, got {num_masks}")
+    C = ids_NL.shape[1] - prompt_length
+    masks, weights = [], []
+    for g in row_generators(seeds_N, MASK_DEVICE):
+        l_M1, mask_a = masks_of_counts(g, num_masks, C, lowest=0)
+        weight_a = torch.where(l_M1 > 0, (C + 1) / l_M1.clamp(min=1), torch.zeros_like(l_M1))
+        weight_b = torch.where(l_M1 < C, (C + 1) / (C - l_M1).clamp(min=1), torch.zeros_like(l_M1))
+        masks.append(torch.cat([mask_a, ~mask_a]))
+        weights.append(torch.cat([weight_a.expand(num_masks, C), weight_b.expand(num_masks, C)]) / C)
     return _masked_passes(policy, ids_NL, attention_mask_NL, prompt_length,
                           torch.stack(masks).to(ids_NL.device), torch.stack(weights).float().to(ids_NL.device))
 
@@ -188,6 +220,7 @@ ESTIMATORS: dict[str, tuple[Callable[..., torch.Tensor], str, bool]] = {
     "mean_field": (mean_field, "token", False),
     "elbo": (elbo, "sequence", False),
     "coupled": (coupled, "sequence", False),
+    "espo": (espo, "sequence", False),
     "ordered": (ordered, "token", True),
     "left_to_right": (left_to_right, "token", False),
 }
@@ -199,6 +232,7 @@ LOGITS_CALLS: dict[str, Callable[..., int]] = {
     "mean_field": lambda order_NC, C, options: 1,
     "elbo": lambda order_NC, C, options: 1,
     "coupled": lambda order_NC, C, options: 1,
+    "espo": lambda order_NC, C, options: 1,
     "ordered": lambda order_NC, C, options: len(ordered_groups(order_NC, options.get("group", 1))),
     "left_to_right": lambda order_NC, C, options: math.ceil(C / options.get("group", 1)),
 }

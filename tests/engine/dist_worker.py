@@ -48,6 +48,13 @@ UNEVEN = {
     "threshold": dict(rollout={**SETTINGS["rollout"], "threshold": 0.011}, likelihood={"name": "ordered", "group": 2},
                       inner_iterations=2, eval_every=2, eval_prompts=3),
     "llada": dict(trust_remote_code=True, eval_every=2, eval_prompts=3),
+    # the newest estimators: ESPO's normalised sequence ELBO (k2 KL, leave-one-out), and JustGRPO's recipe, whose
+    # old log-probs replay the sampler's record (no forward on any rank) over two inner iterations
+    "espo": dict(likelihood={"name": "espo", "num_masks": 2}, algo={"advantage": "loo", "beta": 0.04, "kl": "k2"},
+                 inner_iterations=2, eval_every=2, eval_prompts=3),
+    "justgrpo": dict(rollout={**SETTINGS["rollout"], "gen_length": 16, "block_length": 1, "steps": 16},
+                     likelihood={"name": "left_to_right", "group": 1}, algo={"advantage": "std", "beta": 0.04},
+                     inner_iterations=2, eval_every=2, eval_prompts=3),
 }
 
 

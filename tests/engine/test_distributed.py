@@ -124,6 +124,29 @@ def test_ranks_that_need_different_forward_counts_agree_with_one_process_at_zero
     assert_weights_agree(weights(two / f"{name}_zero3", 2), weights(single / f"{name}_zero0", 2), name)
 
 
+@pytest.mark.parametrize("name", ["espo", "justgrpo"])
+def test_the_newest_estimators_agree_with_one_process_at_zero3(runs, name):
+    """ESPO's estimator (one forward of 2M masked copies per row) and JustGRPO's recipe (left to right, the old
+    policy's log-probs replayed from the sampler's record: no old-policy forward on either rank) at ZeRO-3 on two
+    ranks give one process's losses, rewards and weights."""
+    import dist_worker
+
+    root, _, _ = runs
+    single, two = root / f"estimator_single_{name}", root / f"estimator_two_{name}"
+    single.mkdir()
+    two.mkdir()
+    dist_worker.run_uneven(single, str(root / "model"), name, 0)
+    launched(two, str(root / "model"), "uneven", name)
+    base, run = metrics(single / f"{name}_zero0"), metrics(two / f"{name}_zero3")
+    assert all(m["policy/updates"] == 2 * 2 for m in base[1:])  # two inner iterations of two minibatches
+    replayed = [m["likelihood/old_from_rollout"] for m in run if "likelihood/old_from_rollout" in m]
+    assert replayed == [float(name == "justgrpo")] * 2
+    for key in ("loss/policy", "loss/kl", "policy/grad_norm", "policy/ratio_max", "reward/on_policy", "eval/reward"):
+        got, want = ([m[key] for m in lines if key in m] for lines in (run, base))
+        assert len(want) == 2 and got == pytest.approx(want, rel=1e-5, abs=1e-7), key
+    assert_weights_agree(weights(two / f"{name}_zero3", 2), weights(single / f"{name}_zero0", 2), name)
+
+
 @pytest.mark.parametrize("name", ["sera", "ds_darts"])
 def test_ranks_holding_uneven_rows_agree_with_one_process_at_zero_0_2_3(runs, name):
     """Rollout curation leaves the ranks uneven (SERA's group sizes, dynamic sampling's dropped groups and extra

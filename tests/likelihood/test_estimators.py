@@ -219,3 +219,29 @@ def test_elbo_masking_is_checked_by_name(tiny_policy, char_tokenizer):
     with pytest.raises(ConfigError, match=r"mixing.likelihood.masking='fixed': expected one of \['per_token', "
                                           r"'fixed_count'\]"):
         build_estimator({"name": "elbo", "masking": "fixed"}, "mixing.likelihood")
+
+
+@pytest.mark.slow
+def test_espo_estimates_the_elbo_per_window_token(tiny_policy, char_tokenizer):
+    """ESPO's pairs of complementary fixed-count masks (l on 0..C, weights (C+1)/l and (C+1)/(C-l)): each half
+    is an unbiased ELBO estimate, so C times the sum matches the ELBO by enumeration."""
+    ids_NL, mask_NL, P = tiny_sequence(char_tokenizer)
+    exact = exact_elbo(tiny_policy, ids_NL, mask_NL, P, 0.0)
+    with torch.no_grad():
+        estimate = estimate_logp("espo", tiny_policy, ids_NL, mask_NL, P, seeds_N=[0], num_masks=10_000)
+    C = ids_NL.shape[1] - P
+    assert (C * estimate.sum()).item() == pytest.approx(exact, rel=0.02)
+
+
+def test_espo_masks_are_complementary_pairs_with_counts_stratified_from_zero():
+    from dllm_rl.likelihood.estimators import masks_of_counts
+
+    C, M = 5, 60
+    l_M1, masked_MC = masks_of_counts(torch.Generator().manual_seed(4), M, C, lowest=0)
+    assert torch.equal(masked_MC.sum(1), l_M1[:, 0].long())
+    assert torch.bincount(l_M1[:, 0].long(), minlength=C + 1).tolist() == [M // (C + 1)] * (C + 1)  # 0..C alike
+    # LLaDA's masks (lowest 1) are drawn exactly as before the option existed
+    l_1, masked_1 = masks_of_counts(torch.Generator().manual_seed(4), M, C)
+    u0 = torch.rand(1, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    u_M = (u0 + torch.arange(M, dtype=torch.float64) / M) % 1.0
+    assert torch.equal(l_1[:, 0], (u_M * C).floor().clamp(max=C - 1) + 1)
