@@ -103,7 +103,7 @@ class Rows:
         seeds = [self.mask_seeds[iteration][r] for r in rows.tolist()]
         order = None if self.order_NC is None else self.order_NC[rows]
         args = (policy, self.ids_NL[rows], self.attention_mask_NL[rows], self.prompt_length, seeds, order,
-                self.mask_NC[rows])
+                self.mask_NC[rows], None if self.adv_N is None else self.adv_N[rows.to(self.adv_N.device)])
         return self.estimator.score(*args) if lockstep is None else lockstep.score(self.estimator, *args)
 
     def score_all(self, policy, iteration: int, lockstep: Lockstep | None = None) -> torch.Tensor:

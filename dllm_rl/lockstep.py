@@ -56,10 +56,10 @@ class Lockstep:
         self.world, self.enabled = world, enabled and world.size > 1
 
     def score(self, estimator, policy, ids_NL: torch.Tensor, attention_mask_NL: torch.Tensor, prompt_length: int,
-              seeds_N, order_NC, mask_NC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+              seeds_N, order_NC, mask_NC: torch.Tensor, adv_N=None) -> tuple[torch.Tensor, torch.Tensor]:
         """`estimator.score(...)`, with as many network forwards as the rank that needs the most."""
         run = lambda: estimator.score(policy, ids_NL, attention_mask_NL, prompt_length, seeds_N, order_NC,  # noqa: E731
-                                      mask_NC)
+                                      mask_NC, adv_N)
         if not self.enabled:
             return run()
         declared = estimator.forwards(policy, attention_mask_NL, prompt_length, order_NC)

@@ -278,8 +278,10 @@ def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned,
     external = None if mixer is None else ExternalRollouts(
         mixer, task, tokenizer, window=sampler.gen_length, eos_id=policy.eos_id,
         max_length=policy.context_length, seed=cfg.seed, dp=dp, autocast=autocast, device=policy.device)
-    reuse_current = (cfg.inner_iterations == 1 and dp.num_minibatches == 1
-                     and not (mixer is not None and mixer.config.correction == "is"))
+    # the old log-probs are the current ones detached where nothing reads them otherwise: one update per step
+    # (d1), or the plain policy gradient (algo.objective=pg), unless the mixer's importance weights need them
+    reuse_current = ((cfg.inner_iterations == 1 and dp.num_minibatches == 1) or loss_options.get("objective") == "pg") \
+        and not (mixer is not None and mixer.config.correction == "is")
     learner = Learner(engine, policy, learned.reference, learned.scheduler, loss_options, cfg.inner_iterations,
                       reuse_current, mixer.config.minibatch_mix if mixer is not None else "stratified", cfg.seed, dp,
                       autocast, cfg.ref_sync_every, cfg.max_bad_steps, bad_steps=state["bad_steps"])

@@ -23,7 +23,7 @@ from dllm_rl.curation import check_curation
 from dllm_rl.tracking import check_logger
 from dllm_rl.algo.advantages import ADVANTAGE_FNS
 from dllm_rl.algo.correction import SamplerCorrection
-from dllm_rl.algo.losses import AGGREGATIONS, KL_FNS, grpo_loss
+from dllm_rl.algo.losses import AGGREGATIONS, KL_FNS, OBJECTIVES, grpo_loss
 from dllm_rl.engine import ENGINE_OPTIONS, deepspeed_config
 from dllm_rl.errors import check_kwargs, check_ranges, check_types, pick, require
 from dllm_rl.external.mixer import MixingConfig, external_likelihood
@@ -40,7 +40,7 @@ GROUP_DEFAULTS: dict[str, dict[str, Any]] = {
                 "random_first": False, "cache": "none", "cache_refresh": 0, "temperature_floor": 0.0},
     "likelihood": {"name": "mean_field", "prompt_mask_prob": 0.15},
     "algo": {"name": "grpo", "advantage": "mean", "eps_low": 0.2, "eps_high": 0.2, "beta": 0.0, "kl": "k3",
-             "aggregation": "token", "constant": None},
+             "aggregation": "token", "constant": None, "objective": "clipped"},
     "external": {"name": "solver", "trace_steps": 0},
     "deepspeed": {"name": "zero0", "stage": 0, "bf16": False, "offload_optimizer": "none", "offload_params": "none",
                   "timeout_s": 600},
@@ -184,6 +184,7 @@ def split_algo(algo: dict[str, Any]) -> tuple[str, dict[str, Any]]:
                            "constant": "positive"}, "algo")
     pick(KL_FNS, options.get("kl", "k3"), "algo.kl")
     pick(AGGREGATIONS, options.get("aggregation", "token"), "algo.aggregation")
+    pick(dict.fromkeys(OBJECTIVES), options.get("objective", "clipped"), "algo.objective")
     require(options.get("aggregation") != "constant" or options.get("constant") is not None,
             "algo.aggregation=constant divides by algo.constant (Dr.GRPO: the completion window): set it")
     return advantage, options

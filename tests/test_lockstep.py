@@ -20,7 +20,7 @@ from tests.policy.remote_standins import write_llada
 
 PROMPTS = ["12+7=", "3*4-5=", "9=", "3*4-5="]  # three prompt lengths: three spans for LLaDA
 OPTIONS = {"mean_field": {}, "elbo": {"num_masks": 2}, "coupled": {"num_masks": 2}, "ordered": {"group": 3},
-           "left_to_right": {"group": 4}, "espo": {"num_masks": 2}}
+           "left_to_right": {"group": 4}, "espo": {"num_masks": 2}, "spg": {"num_masks": 2, "block_length": 8}}
 COUNTER = itertools.count()
 
 
@@ -51,7 +51,8 @@ def test_each_estimator_makes_exactly_the_forwards_it_declares(name, kind, tiny_
     for rows in ([0, 1, 2, 3], [1, 3], [2]):  # three spans, one span
         declared = estimator.forwards(policy, mask[rows], P, order[rows])
         with counting_forwards(policy.model) as made, torch.no_grad():
-            estimator.logp(policy, ids[rows], mask[rows], P, seeds_N=[5] * len(rows), order_NC=order[rows])
+            estimator.logp(policy, ids[rows], mask[rows], P, seeds_N=[5] * len(rows), order_NC=order[rows],
+                           adv_N=torch.linspace(-1, 1, len(rows)))
         assert made[0] == declared, (name, kind, rows)
     spans = policy.forwards(mask)
     assert spans == (3 if kind == "llada" else 1)

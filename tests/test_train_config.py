@@ -96,3 +96,16 @@ def test_held_out_pass_at_1_decodes_exactly_and_greedily_whatever_the_rollouts_u
     assert settings == {**fast, "threshold": None, "cache": "none", "random_first": False, "temperature": 0.0,
                         "temperature_floor": 0.0}
     check_sampler_settings(**settings)
+
+
+def test_the_spg_recipe_has_spgs_settings():
+    cfg = cli.to_plain(cli.compose_config("train", ["+experiment=llada8b_spg", "model=/models/x", "task=gsm8k"]))
+    cfg.pop("task")
+    config = TrainConfig.from_options(cfg)
+    assert config.likelihood == {"name": "spg", "num_masks": 2, "block_length": 32, "beta": 1.5, "omega": 0.5,
+                                 "prompt_mask_prob": 0.15}
+    assert (config.algo["objective"], config.algo["beta"], config.algo["advantage"]) == ("pg", 0.0, "mean")
+    assert (config.group_size, config.inner_iterations, config.minibatch_size, config.lora["r"]) == (6, 4, 96, 128)
+    assert (config.rollout["gen_length"], config.rollout["steps"], config.rollout["temperature"]) == (256, 128, 0.9)
+    assert config.lr == 3e-6 and config.weight_decay == 0.1 and config.grad_clip == 0.2
+

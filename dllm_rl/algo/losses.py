@@ -176,6 +176,9 @@ def aggregation_units(mask_NC: torch.Tensor, how: str, weights_N: torch.Tensor |
     return float((counted_NC.sum(dim=1) > 0).sum())
 
 
+OBJECTIVES = ("clipped", "pg")  # PPO's clipped surrogate | the plain policy gradient (SPG)
+
+
 def grpo_loss(
     logp_NC: torch.Tensor,
     old_logp_NC: torch.Tensor,
@@ -194,6 +197,7 @@ def grpo_loss(
     shaping_gamma: float = 0.1,
     global_units: float | None = None,
     ranks: int = 1,
+    objective: str = "clipped",
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GRPO's loss (arXiv 2402.03300): clipped surrogate + beta * KL per token, times a per-row weight, aggregated.
 
@@ -203,9 +207,11 @@ def grpo_loss(
     instead of the clipped one; they are not counted as clipped.
     The KL term needs `ref_logp_NC` when beta > 0 and is skipped when beta == 0. Works as well on sequence-level
     log-probs, logp_N1 with mask_N1. `global_units` and `ranks` make the loss of a data-parallel rank its share
-    of the loss over all ranks' rows (see `aggregate`). Returns (loss, metrics); loss == loss/policy + beta *
-    loss/kl.
+    of the loss over all ranks' rows (see `aggregate`). `objective="pg"` replaces the clipped surrogate with the
+    plain policy gradient -A * logp (SPG's update: no ratio, no clipping; the old log-probs are not read). Returns
+    (loss, metrics); loss == loss/policy + beta * loss/kl.
     """
+    require(objective in OBJECTIVES, f"objective={objective!r}: expected one of {list(OBJECTIVES)}")
     kl_fn = pick(KL_FNS, kl, "KL estimator")
     pick(AGGREGATIONS, aggregation, "loss aggregation")
     require(beta >= 0, f"beta={beta!r}: expected a KL coefficient >= 0")
@@ -222,6 +228,8 @@ def grpo_loss(
     if ref_logp_NC is not None:
         ref_logp_NC = torch.where(is_counted_NC, ref_logp_NC, torch.zeros_like(ref_logp_NC))
 
+    if objective == "pg":
+        old_logp_NC = logp_NC.detach()
     policy_NC, clipped_NC = clipped_surrogate(logp_NC, old_logp_NC, adv_N, eps_low, eps_high)
     if shaped_N is not None and bool(shaped_N.any()):
         shaped_N1 = shaped_N.bool().unsqueeze(1)

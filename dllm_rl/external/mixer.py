@@ -102,9 +102,10 @@ class ExternalMixer:
             require(self.estimator.level == "token",
                     "mixing.correction=shaping works on per-token probabilities; the likelihood estimator "
                     f"{self.estimator.name!r} is per sequence")
-        require(not (config.correction == "is" and self.estimator.name == "espo"),
-                "mixing.correction=is weighs external rows by exp(log pi - log mu) over the whole sequence; the "
-                "espo estimator gives the ELBO divided by the window: choose another mixing.likelihood")
+        require(not (config.correction == "is" and self.estimator.name in ("espo", "spg")),
+                f"mixing.correction=is weighs external rows by exp(log pi - log mu) over the whole sequence; the "
+                f"{self.estimator.name} estimator gives another quantity (a normalised ELBO, a bound chosen by the "
+                f"advantage): choose another mixing.likelihood")
         self.baseline = 0.0  # running mean of external rewards (statistic=running); saved with checkpoints
         self.warned: set[str] = set()
 

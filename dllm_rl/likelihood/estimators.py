@@ -15,6 +15,7 @@ rollout). Cost is in forward passes per row:
 | ordered        | TraceRL (arXiv 2509.06949)              | S / group | token    |
 | left_to_right  | ordered, one position per step          | C / group | token    |
 | espo           | ESPO (arXiv 2512.03759)                 | 2M        | sequence / C |
+| spg            | SPG (arXiv 2510.09541): ELBO / EUBO mix  | M         | sequence |
 
 - mean_field: every completion token masked, each prompt token masked with probability
   `prompt_mask_prob` (d1 uses 0.15); one forward; log p of each clean completion token.
@@ -48,6 +49,7 @@ import torch.nn.functional as F
 
 from dllm_rl.errors import check_kwargs, check_ranges, check_types, pick, require
 from dllm_rl.policy.adapters import DiffusionPolicy
+from dllm_rl.rollout.sampler import first_eos
 from dllm_rl.seeds import row_generators
 
 
@@ -182,6 +184,96 @@ def espo(policy, ids_NL, attention_mask_NL, prompt_length: int, *, seeds_N, orde
                           torch.stack(masks).to(ids_NL.device), torch.stack(weights).float().to(ids_NL.device))
 
 
+def block_masks(generator: torch.Generator, num: int, C: int, counted: int, block_length: int, prompt_real_P,
+                prompt_mask_prob: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(window_MC, prompt_MP): SPG's block-wise masks (arXiv 2510.09541, Sec. 3.3; its `forward_type=block_random`).
+    For each of `num` draws, one block of the window holding counted tokens (the first `counted` positions: up to
+    and including the first EOS) is chosen uniformly; n ~ U{1..m} of its m counted positions are masked, chosen
+    uniformly; every later position (the following blocks and the EOS fill) is masked; every earlier window
+    position and every real prompt token is masked with probability `prompt_mask_prob` (d1's perturbation)."""
+    P = prompt_real_P.shape[0]
+    blocks = -(-counted // block_length)
+    window, prompt = [], []
+    for _ in range(num):
+        u = torch.rand(3, generator=generator, dtype=torch.float64, device=generator.device)
+        b = min(int(u[0] * blocks), blocks - 1)
+        lo, hi = b * block_length, min((b + 1) * block_length, counted)
+        n = min(int(u[1] * (hi - lo)), hi - lo - 1) + 1
+        scores = torch.rand(hi - lo, generator=generator, dtype=torch.float64, device=generator.device)
+        noise_C = torch.rand(C, generator=generator, dtype=torch.float64, device=generator.device) < prompt_mask_prob
+        noise_P = torch.rand(P, generator=generator, dtype=torch.float64, device=generator.device) < prompt_mask_prob
+        masked_C = torch.zeros(C, dtype=torch.bool, device=generator.device)
+        masked_C[:lo] = noise_C[:lo]
+        masked_C[lo:hi] = scores.argsort().argsort() < n
+        masked_C[hi:] = True
+        window.append(masked_C)
+        prompt.append(noise_P & prompt_real_P.to(generator.device))
+    return torch.stack(window), torch.stack(prompt)
+
+
+def spg_bounds(logp_NMC: torch.Tensor, scored_NMC: torch.Tensor, counted_N: torch.Tensor,
+               beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(elbo_N, eubo_N): SPG's Monte-Carlo bounds on log pi(y | x), each per counted token (SPG's code
+    normalisation; times the counted length they are the bounds themselves).
+
+    ELBO (SPG Eq. 2, LLaDA's): sum_i w(t) 1[i masked] log pi(y_i | z_t); with the empirical masking ratio
+    t = n / len of a draw that masks n of the len counted tokens, len x (sum over the masked of log pi) / n.
+    EUBO (SPG Corollary 1, Eq. 7, from the Renyi variational bound with beta >= 1): (1/beta) sum_i log
+    E[w(t) 1[i masked] pi(y_i | z_t)^beta], the expectation taken over the draws (biased: the log is outside the
+    mean). Here elbo = mean over draws of (sum over the masked counted tokens of log pi) / n, and eubo = (1/beta)
+    mean over the counted tokens masked in some draw of log mean_draws(pi^beta 1[masked] / t)."""
+    n_NM = scored_NMC.sum(-1).clamp(min=1).to(logp_NMC.dtype)
+    elbo_N = ((logp_NMC * scored_NMC).sum(-1) / n_NM).mean(1)
+    t_NM = n_NM / counted_N[:, None].to(logp_NMC.dtype)
+    avg_NC = (torch.exp(beta * logp_NMC) * scored_NMC / t_NM[..., None]).mean(1)
+    seen_NC = avg_NC > 0
+    log_avg_NC = torch.where(seen_NC, avg_NC.clamp(min=1e-30).log(), torch.zeros_like(avg_NC))
+    eubo_N = log_avg_NC.sum(-1) / seen_NC.sum(-1).clamp(min=1) / beta
+    return elbo_N, eubo_N
+
+
+def spg(policy, ids_NL, attention_mask_NL, prompt_length: int, *, seeds_N, order_NC=None, adv_N=None,
+        num_masks: int = 2, block_length: int = 32, beta: float = 1.5, omega: float = 0.5,
+        prompt_mask_prob: float = 0.15) -> torch.Tensor:
+    """SPG, the sandwiched policy gradient (arXiv 2510.09541; github.com/facebookresearch/SPG, `spg_trainer.py`):
+    a lower bound of log pi for rows with a positive advantage, whose likelihood the update raises, and for the
+    others (whose likelihood it lowers) the mixture (Eq. 8) omega * EUBO + (1 - omega) * ELBO of an upper and a
+    lower bound (`spg_bounds`), so the objective stays below the true one on both sides (Eqs. 4-5); omega 0.5
+    and beta in {1.0, 1.5, 2.0} as the paper tunes them. Masks are SPG's block-wise ones (`block_masks`),
+    `num_masks` draws per row, one `policy.logits` call on N x M rows. The row's value, the chosen bound times
+    its counted length (SPG's loss weighs each row's per-token bound by its length), is returned in the row's first
+    window column (always counted), zeros elsewhere: a sequence-level estimator. `adv_N` is each row's advantage
+    (the trainer scores rows after their advantages). Pair with `algo.objective=pg`: SPG's update is the plain
+    policy gradient -A x value, without a ratio or clipping, over `inner_iterations` passes."""
+    require(adv_N is not None, "the spg estimator picks each row's bound by the sign of its advantage; it scores "
+            "rows after their advantages are assigned")
+    require(num_masks >= 1 and block_length >= 1, f"num_masks={num_masks} and block_length={block_length}: "
+            f"expected >= 1")
+    require(beta >= 1, f"beta={beta}: SPG's upper bound holds for beta >= 1")
+    require(0 <= omega <= 1, f"omega={omega}: the mixture weight is in [0, 1]")
+    P, (N, L) = prompt_length, ids_NL.shape
+    C = L - P
+    counted_N = (first_eos(ids_NL[:, P:], policy.eos_id) + 1).clamp(max=C).cpu()
+    window, prompt = [], []
+    for g, counted, real_P in zip(row_generators(seeds_N, MASK_DEVICE), counted_N.tolist(),
+                                  attention_mask_NL[:, :P].bool().cpu()):
+        w_MC, p_MP = block_masks(g, num_masks, C, counted, block_length, real_P, prompt_mask_prob)
+        window.append(w_MC)
+        prompt.append(p_MP)
+    window_NMC, prompt_NMP = torch.stack(window).to(ids_NL.device), torch.stack(prompt).to(ids_NL.device)
+    rep_NL = ids_NL.repeat_interleave(num_masks, 0)
+    masked_NL = torch.cat([prompt_NMP, window_NMC], -1).reshape(N * num_masks, L)
+    logp_NMC = _token_logp(policy, rep_NL.masked_fill(masked_NL, policy.mask_id),
+                           attention_mask_NL.repeat_interleave(num_masks, 0), rep_NL[:, P:], P).view(N, num_masks, C)
+    positions_C = torch.arange(C, device=ids_NL.device)
+    scored_NMC = window_NMC & (positions_C < counted_N.to(ids_NL.device)[:, None])[:, None]
+    elbo_N, eubo_N = spg_bounds(logp_NMC, scored_NMC, counted_N.to(ids_NL.device), beta)
+    value_N = torch.where(adv_N.to(ids_NL.device) > 0, elbo_N, omega * eubo_N + (1 - omega) * elbo_N)
+    out_NC = torch.zeros((N, C), dtype=logp_NMC.dtype, device=ids_NL.device)
+    out_NC[:, 0] = value_N * counted_N.to(ids_NL.device)
+    return out_NC
+
+
 def ordered(policy, ids_NL, attention_mask_NL, prompt_length: int, *, order_NC: torch.Tensor | None = None, seeds_N=None,
             group: int = 1) -> torch.Tensor:
     """`order_NC[n, i]` is the step at which completion token i was unmasked (ties share a step)."""
@@ -221,6 +313,7 @@ ESTIMATORS: dict[str, tuple[Callable[..., torch.Tensor], str, bool]] = {
     "elbo": (elbo, "sequence", False),
     "coupled": (coupled, "sequence", False),
     "espo": (espo, "sequence", False),
+    "spg": (spg, "sequence", False),
     "ordered": (ordered, "token", True),
     "left_to_right": (left_to_right, "token", False),
 }
@@ -233,6 +326,7 @@ LOGITS_CALLS: dict[str, Callable[..., int]] = {
     "elbo": lambda order_NC, C, options: 1,
     "coupled": lambda order_NC, C, options: 1,
     "espo": lambda order_NC, C, options: 1,
+    "spg": lambda order_NC, C, options: 1,
     "ordered": lambda order_NC, C, options: len(ordered_groups(order_NC, options.get("group", 1))),
     "left_to_right": lambda order_NC, C, options: math.ceil(C / options.get("group", 1)),
 }
@@ -260,8 +354,9 @@ def estimate_logp(name: str, policy, ids_NL, attention_mask_NL, prompt_length: i
     return fn(policy, ids_NL, attention_mask_NL, prompt_length, **kwargs)
 
 
-RUNTIME_ARGS = ("seeds_N", "order_NC")  # what the trainer passes per call; every other keyword is an option
-OPTION_RANGES = {"prompt_mask_prob": "probability", "num_masks": "at_least_1", "eps": "open_unit", "group": "at_least_1"}
+RUNTIME_ARGS = ("seeds_N", "order_NC", "adv_N")  # what the trainer passes per call; every other keyword is an option
+OPTION_RANGES = {"prompt_mask_prob": "probability", "num_masks": "at_least_1", "eps": "open_unit", "group": "at_least_1",
+                 "block_length": "at_least_1", "beta": "at_least_1", "omega": "probability"}
 OPTION_CHOICES = {"masking": ELBO_MASKINGS}
 
 
@@ -277,13 +372,20 @@ class Estimator:
     options: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def needs_advantage(self) -> bool:
+        """Whether its value depends on each row's advantage (SPG's bound by its sign)."""
+        return "adv_N" in inspect.signature(self.fn).parameters
+
+    @property
     def config(self) -> dict[str, Any]:
         return {"name": self.name, **self.options}
 
-    def logp(self, policy, ids_NL, attention_mask_NL, prompt_length: int, seeds_N=None, order_NC=None) -> torch.Tensor:
+    def logp(self, policy, ids_NL, attention_mask_NL, prompt_length: int, seeds_N=None, order_NC=None,
+             adv_N=None) -> torch.Tensor:
         """logp_NC, one value per completion token (see the module docstring)."""
+        extra = {"adv_N": adv_N} if self.needs_advantage else {}
         return self.fn(policy, ids_NL, attention_mask_NL, prompt_length, seeds_N=seeds_N, order_NC=order_NC,
-                       **self.options)
+                       **extra, **self.options)
 
     def forwards(self, policy, attention_mask_NL, prompt_length: int, order_NC=None) -> int:
         """How many network forwards `logp` makes on these rows (declared ahead, for ZeRO-3's lockstep)."""
@@ -291,10 +393,11 @@ class Estimator:
         return LOGITS_CALLS[self.name](order_NC, C, self.options) * policy.forwards(attention_mask_NL)
 
     def score(self, policy, ids_NL, attention_mask_NL, prompt_length: int, seeds_N, order_NC,
-              mask_NC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+              mask_NC: torch.Tensor, adv_N=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(logp, level_mask) at the ratio level: per token (N, C) with `mask_NC`, or per sequence (N, 1), the
         sum over the counted tokens, with a mask of ones."""
-        logp_NC = self.logp(policy, ids_NL, attention_mask_NL, prompt_length, seeds_N=seeds_N, order_NC=order_NC)
+        logp_NC = self.logp(policy, ids_NL, attention_mask_NL, prompt_length, seeds_N=seeds_N, order_NC=order_NC,
+                            adv_N=adv_N)
         if self.level == "sequence":
             return (logp_NC * mask_NC).sum(-1, keepdim=True), torch.ones_like(mask_NC[:, :1])
         return logp_NC, mask_NC

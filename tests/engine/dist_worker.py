@@ -52,6 +52,9 @@ UNEVEN = {
     # old log-probs replay the sampler's record (no forward on any rank) over two inner iterations
     "espo": dict(likelihood={"name": "espo", "num_masks": 2}, algo={"advantage": "loo", "beta": 0.04, "kl": "k2"},
                  inner_iterations=2, eval_every=2, eval_prompts=3),
+    "spg": dict(likelihood={"name": "spg", "num_masks": 2, "block_length": 8},
+                algo={"advantage": "mean", "beta": 0.04, "objective": "pg"}, inner_iterations=2, eval_every=2,
+                eval_prompts=3),
     "justgrpo": dict(rollout={**SETTINGS["rollout"], "gen_length": 16, "block_length": 1, "steps": 16},
                      likelihood={"name": "left_to_right", "group": 1}, algo={"advantage": "std", "beta": 0.04},
                      inner_iterations=2, eval_every=2, eval_prompts=3),

@@ -124,11 +124,12 @@ def test_ranks_that_need_different_forward_counts_agree_with_one_process_at_zero
     assert_weights_agree(weights(two / f"{name}_zero3", 2), weights(single / f"{name}_zero0", 2), name)
 
 
-@pytest.mark.parametrize("name", ["espo", "justgrpo"])
+@pytest.mark.parametrize("name", ["espo", "spg", "justgrpo"])
 def test_the_newest_estimators_agree_with_one_process_at_zero3(runs, name):
-    """ESPO's estimator (one forward of 2M masked copies per row) and JustGRPO's recipe (left to right, the old
-    policy's log-probs replayed from the sampler's record: no old-policy forward on either rank) at ZeRO-3 on two
-    ranks give one process's losses, rewards and weights."""
+    """ESPO's and SPG's estimators (one forward of M masked copies per row; SPG's bound chosen by each row's
+    advantage, its plain policy gradient) and JustGRPO's recipe (left to right, the old policy's log-probs replayed
+    from the sampler's record: no old-policy forward on either rank) at ZeRO-3 on two ranks give one process's
+    losses, rewards and weights."""
     import dist_worker
 
     root, _, _ = runs
