@@ -192,6 +192,7 @@ def block_masks(generator: torch.Generator, num: int, C: int, counted: int, bloc
     uniformly; every later position (the following blocks and the EOS fill) is masked; every earlier window
     position and every real prompt token is masked with probability `prompt_mask_prob` (d1's perturbation)."""
     P = prompt_real_P.shape[0]
+    real_P = prompt_real_P.to(generator.device)
     blocks = -(-counted // block_length)
     window, prompt = [], []
     for _ in range(num):
@@ -201,13 +202,16 @@ def block_masks(generator: torch.Generator, num: int, C: int, counted: int, bloc
         n = min(int(u[1] * (hi - lo)), hi - lo - 1) + 1
         scores = torch.rand(hi - lo, generator=generator, dtype=torch.float64, device=generator.device)
         noise_C = torch.rand(C, generator=generator, dtype=torch.float64, device=generator.device) < prompt_mask_prob
-        noise_P = torch.rand(P, generator=generator, dtype=torch.float64, device=generator.device) < prompt_mask_prob
+        # one draw per real prompt token (not per padded position), so a row's masks do not depend on its batch
+        noise_P = torch.zeros(P, dtype=torch.bool, device=generator.device)
+        noise_P[real_P] = torch.rand(int(real_P.sum()), generator=generator, dtype=torch.float64,
+                                     device=generator.device) < prompt_mask_prob
         masked_C = torch.zeros(C, dtype=torch.bool, device=generator.device)
         masked_C[:lo] = noise_C[:lo]
         masked_C[lo:hi] = scores.argsort().argsort() < n
         masked_C[hi:] = True
         window.append(masked_C)
-        prompt.append(noise_P & prompt_real_P.to(generator.device))
+        prompt.append(noise_P)
     return torch.stack(window), torch.stack(prompt)
 
 

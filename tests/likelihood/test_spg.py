@@ -116,3 +116,14 @@ def test_the_plain_policy_gradient_objective():
     assert loss.item() == pytest.approx(-(1.0 - 0.5) / 2) and metrics["policy/ratio_max"] == 1.0
     with pytest.raises(ConfigError, match="objective='ppo': expected one of"):
         grpo_loss(logp, old, None, adv, mask, objective="ppo")
+
+
+def test_a_rows_masks_do_not_depend_on_its_padding():
+    """The same prompt left-padded to another width gets the same masks on its real tokens and its window."""
+    g = lambda: torch.Generator().manual_seed(5)  # noqa: E731
+    narrow = block_masks(g(), 6, C=8, counted=8, block_length=4, prompt_real_P=torch.tensor([True] * 3),
+                         prompt_mask_prob=0.5)
+    wide = block_masks(g(), 6, C=8, counted=8, block_length=4, prompt_real_P=torch.tensor([False] * 4 + [True] * 3),
+                       prompt_mask_prob=0.5)
+    assert torch.equal(narrow[0], wide[0]) and torch.equal(narrow[1], wide[1][:, 4:]) and not wide[1][:, :4].any()
+
