@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
-from dllm_rl.errors import check_types, require
+from dllm_rl.errors import check_kwargs, check_types, require
 from dllm_rl.rollout.sampler import check_sampler_settings
 
 
@@ -61,7 +61,9 @@ class Protocol:
                 require(steps == int(steps), f"protocol={self.name}: length {length} x steps_per_token "
                         f"{self.steps_per_token} = {steps:g} steps; expected a whole number")
                 settings["steps"] = int(steps)
-            check_sampler_settings(**settings, key=f"protocol={self.name} at length {length}: rollout")
+            check_kwargs(check_sampler_settings, settings, "rollout", exclude=("key",))
+            if self.name != "none":  # a protocol decodes with a dLLM; none leaves the rollout to the model's loader
+                check_sampler_settings(**settings, key=f"protocol={self.name} at length {length}: rollout")
             out.append(settings)
         return out
 

@@ -206,11 +206,7 @@ def denoise(
                     temperature_floor=temperature_floor)
     num_blocks = check_sampler_args(P, max_length, **settings)
     temperature = max(temperature, temperature_floor)
-    if temperature > 0 or remasking == "random" or random_first:
-        if generators is None or len(generators) != B:
-            raise ConfigError(f"sampling with temperature={temperature}, remasking={remasking!r}, random_first="
-                              f"{random_first} needs one torch.Generator per row ({B}), got "
-                              f"{None if generators is None else len(generators)}")
+    check_generators(generators, B, temperature, remasking, random_first)
     schedule = schedule or MaskingSchedule()
     parallel = threshold is not None or factor is not None
     steps_per_block = steps // num_blocks
@@ -223,8 +219,7 @@ def denoise(
     is_prompt_BL = torch.zeros_like(x_BL, dtype=torch.bool)
     is_prompt_BL[:, :P] = prompt_mask_BP.bool()
     unmask_step_BC = torch.full((B, gen_length), -1, dtype=torch.long, device=device)
-    confidence_BC = torch.zeros((B, gen_length), dtype=torch.float32, device=device)
-    logp_BC = torch.zeros((B, gen_length), dtype=torch.float32, device=device)
+    confidence_BC, logp_BC = (torch.zeros((B, gen_length), dtype=torch.float32, device=device) for _ in range(2))
     step = 0
     row_step_B = torch.zeros(B, dtype=torch.long, device=device)  # each row's own count of its decoding steps
     block_cache = None if cache == "none" else BlockCache()
@@ -259,6 +254,15 @@ def denoise(
             step += 1
     return Samples(x_BL, attention_mask_BL, P, unmask_step_BC, confidence_BC, forwards=step * (2 if cfg_scale else 1),
                    logp_BC=logp_BC)
+
+
+def check_generators(generators, B: int, temperature: float, remasking: str, random_first: bool) -> None:
+    """A sampler that draws randomness needs one generator per row."""
+    if temperature > 0 or remasking == "random" or random_first:
+        if generators is None or len(generators) != B:
+            raise ConfigError(f"sampling with temperature={temperature}, remasking={remasking!r}, random_first="
+                              f"{random_first} needs one torch.Generator per row ({B}), got "
+                              f"{None if generators is None else len(generators)}")
 
 
 def window_logits(policy, x_BL, attention_mask_BL, is_prompt_BL, cfg_scale: float, P: int,

@@ -108,7 +108,16 @@ def test_a_reward_style_that_does_not_exist_is_named():
         build_task("sudoku", reward_style="d2")
 
 
-@pytest.mark.parametrize("recipe", sorted(p.stem for p in RECIPES.glob("*.yaml")))
+# the recipes built on d1's code (d1's own, ERILS's, SPG's): d1's prompts, rewards and rollout lengths
+D1_RECIPES = sorted(p.stem for p in RECIPES.glob("*.yaml")
+                    if to_plain(compose_config("train", [f"+experiment={p.stem}"]))["task"].get("reward_style") == "d1")
+
+
+def test_the_d1_recipes_are_found():
+    assert {"llada8b_d1", "dream7b_d1", "llada8b_erils", "llada8b_spg"} <= set(D1_RECIPES)
+
+
+@pytest.mark.parametrize("recipe", D1_RECIPES)
 @pytest.mark.parametrize("task", D1_TASKS)
 def test_every_recipe_with_every_task_it_names_trains_with_d1s_prompts_rewards_and_lengths(recipe, task, tmp_path):
     text = (RECIPES / f"{recipe}.yaml").read_text()

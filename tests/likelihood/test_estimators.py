@@ -83,7 +83,7 @@ class Spy:
     """A policy wrapper that records every input it is called with."""
 
     def __init__(self, policy):
-        self.policy, self.mask_id, self.inputs = policy, policy.mask_id, []
+        self.policy, self.mask_id, self.eos_id, self.inputs = policy, policy.mask_id, policy.eos_id, []
 
     def logits(self, ids, mask=None):
         self.inputs.append(ids.clone())
@@ -96,7 +96,7 @@ def test_seeds_masks_and_prompt_handling(tiny_policy, char_tokenizer, name):
     ids_NL, mask_NL = ids_NL.repeat(2, 1), mask_NL.repeat(2, 1)
     C = ids_NL.shape[1] - P
     order_NC = torch.arange(C).flip(0).expand(2, C)
-    kwargs = dict(seeds_N=[5, 6], order_NC=order_NC)
+    kwargs = dict(seeds_N=[5, 6], order_NC=order_NC) | ({"adv_N": torch.tensor([1.0, -1.0])} if name == "spg" else {})
     spy = Spy(tiny_policy)
     with torch.no_grad():
         a = estimate_logp(name, spy, ids_NL, mask_NL, P, **kwargs)
@@ -105,10 +105,10 @@ def test_seeds_masks_and_prompt_handling(tiny_policy, char_tokenizer, name):
     assert torch.equal(a, b)  # same seeds, same estimate, bit for bit
     for x in spy.inputs:
         assert (x[:, 0] == char_tokenizer.pad_token_id).all()  # padding untouched
-        if name != "mean_field":  # only d1's estimator masks prompt tokens (on purpose)
+        if name not in ("mean_field", "spg"):  # only d1's estimator and SPG mask prompt tokens (on purpose)
             assert (x[:, :P] == ids_NL[0, :P]).all()  # rows of ids_NL are identical here
-    if name in ("mean_field", "elbo", "coupled"):
-        other = estimate_logp(name, tiny_policy, ids_NL, mask_NL, P, seeds_N=[7, 8], order_NC=order_NC)
+    if name in ("mean_field", "elbo", "coupled", "espo", "spg"):
+        other = estimate_logp(name, tiny_policy, ids_NL, mask_NL, P, **{**kwargs, "seeds_N": [7, 8]})
         assert not torch.equal(a, other)
 
 
