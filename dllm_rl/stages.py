@@ -14,7 +14,7 @@ The stages up to "verify" are in `dllm_rl/collect.py` (with the `StepBatch`), th
 | verify             | `verify`                    | every source's texts           | their rewards                       |
 | external rollouts  | `ExternalRollouts` (ERILS)  | prompts, on-policy correctness | rows["external"], external/* metrics|
 | advantages         | `assign_advantages`         | rewards                        | adv_N (and external weights)        |
-| old/ref log-probs  | `score_old_and_reference`   | rows, their shards             | mask seeds, old_logp, ref_logp      |
+| old/ref log-probs  | `score_old_and_reference`   | rows, the sampler's record     | mask seeds, old_logp, ref_logp      |
 | sampler correction | `SamplerCorrectionStage`    | on-policy rows, sampler logp   | their loss weights, correction/*    |
 | update             | `Learner.update`            | every row                      | the weights; loss and policy metrics|
 | metrics            | `step_metrics`              | the batch                      | the step's metrics (over ranks)     |
