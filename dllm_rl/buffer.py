@@ -24,9 +24,10 @@ from dllm_rl.data.task import Reward
 from dllm_rl.errors import pick, require
 from dllm_rl.likelihood.estimators import Estimator
 
+from dllm_rl.lockstep import Lockstep
+
 if TYPE_CHECKING:
     from dllm_rl.data_parallel import Shard
-    from dllm_rl.lockstep import Lockstep
 
 MINIBATCH_MIXES = ("stratified", "mixed")
 
@@ -97,17 +98,25 @@ class Rows:
     def lengths_N(self) -> torch.Tensor:
         return self.mask_NC.sum(-1)
 
-    def score(self, policy, rows: torch.Tensor, iteration: int, lockstep: Lockstep | None = None):
+    def score(self, policy, rows: torch.Tensor, iteration: int, lockstep: Lockstep | None = None, span=None):
         """(logp, level_mask) of `rows` under `policy`, with the stored mask seeds of `iteration`; with a
-        `lockstep` (ZeRO-3 on several ranks), in as many forwards as every other rank makes."""
+        `lockstep` (ZeRO-3 on several ranks), in as many forwards as every other rank makes; with `span`, only
+        those forwards of a spanned estimator (`Estimator.score`)."""
         seeds = [self.mask_seeds[iteration][r] for r in rows.tolist()]
         order = None if self.order_NC is None else self.order_NC[rows]
         args = (policy, self.ids_NL[rows], self.attention_mask_NL[rows], self.prompt_length, seeds, order,
-                self.mask_NC[rows], None if self.adv_N is None else self.adv_N[rows.to(self.adv_N.device)])
+                self.mask_NC[rows], None if self.adv_N is None else self.adv_N[rows.to(self.adv_N.device)], span)
         return self.estimator.score(*args) if lockstep is None else lockstep.score(self.estimator, *args)
 
-    def score_all(self, policy, iteration: int, lockstep: Lockstep | None = None) -> torch.Tensor:
-        return self.score(policy, torch.arange(len(self), device=self.ids_NL.device), iteration, lockstep)[0]
+    def score_all(self, policy, iteration: int, lockstep: Lockstep | None = None, calls: int = 1) -> torch.Tensor:
+        """The log-probs of every row, scored in `calls` calls of about equal rows (a call with no row scores row
+        0 and drops it: every rank of a ZeRO-3 run makes the agreed number of calls)."""
+        every = torch.arange(len(self), device=self.ids_NL.device)
+        parts = []
+        for rows in torch.tensor_split(every, calls):
+            logp = self.score(policy, rows if len(rows) else every[:1], iteration, lockstep)[0]
+            parts.append(logp if len(rows) else logp[:0])
+        return torch.cat(parts)
 
 
 def concat_rows(parts: list[Rows], pad_id: int) -> Rows:
@@ -163,6 +172,23 @@ def minibatch_plan(sizes: list[int], num_minibatches: int, mix: str, generator: 
     return plan
 
 
+@dataclass(frozen=True)
+class Piece:
+    """One backward pass of a minibatch (`DataParallel.pieces`): rows of some of the step's parts (`parts` indexes
+    them; rows by local index, none = a stand-in row where the run pads) and, for each, the span of its
+    estimator's forwards it makes (None = all of them)."""
+
+    parts: tuple[int, ...]
+    rows: tuple[torch.Tensor, ...]
+    spans: tuple[tuple[int, int] | None, ...]
+    share: float = 1.0  # 1 / the number of spans its rows are cut into (so per-row metrics count a row once)
+
+
+def piece_spans(calls: int, forwards: int) -> list[tuple[int, int]]:
+    """The spans of at most `forwards` forwards that cover `calls` of them (at least one span)."""
+    return [(a, a + forwards) for a in range(0, max(calls, 1), forwards)]
+
+
 def num_minibatches(on_policy_rows: int, minibatch_size: int) -> int:
     """Minibatches per inner iteration: set by the on-policy rows; external rows are spread over them."""
     return math.ceil(on_policy_rows / minibatch_size)
@@ -173,20 +199,25 @@ def _pad_to(t: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def loss_inputs(parts: list[Rows], picks: list[torch.Tensor], policy, iteration: int, reuse_current: bool,
-                pad_empty: bool = False, lockstep: Lockstep | None = None) -> dict[str, torch.Tensor | None]:
-    """The arguments of `grpo_loss` for one minibatch: each part scored on its picked rows, padded to one width.
+                pad_empty: bool = False, lockstep: Lockstep | None = None,
+                spans: list[tuple[int, int] | None] | None = None) -> dict[str, torch.Tensor | None]:
+    """The arguments of `grpo_loss` for one minibatch (or one `Piece` of it): each part scored on its picked rows
+    (with `spans`, only those forwards of each part's estimator, and the tokens they score), padded to one width.
     With `pad_empty` (several ranks) a part with no rows in this minibatch is scored on its row 0 with mask and
     weight 0, so every rank scores every part (ZeRO-3's forwards are collective; `lockstep` evens out how many
     each score makes) and a rank never has an empty minibatch; such a row adds nothing to the loss or to its
-    normaliser (`aggregation_units`)."""
+    normaliser (`aggregation_units`). A part whose span holds none of its forwards here makes one stand-in
+    forward, so every rank's backward reaches every parameter."""
     pieces = []
-    for part, rows in zip(parts, picks):
+    for part, rows, span in zip(parts, picks, spans or [None] * len(parts)):
         device = part.adv_N.device
         inert = len(rows) == 0
         if inert and not pad_empty:
             continue
         rows = torch.zeros(1, dtype=torch.long, device=device) if inert else rows.to(device)
-        logp, level_mask = part.score(policy, rows, iteration, lockstep)
+        logp, level_mask = part.score(policy, rows, iteration, lockstep, span)
+        if span is not None and torch.is_grad_enabled() and not logp.requires_grad:
+            logp = logp + Lockstep.stand_in_forwards(policy, part.ids_NL, 1)
         if inert:
             level_mask = torch.zeros_like(level_mask)
         old = logp.detach() if reuse_current else part.old_logp[iteration][rows]

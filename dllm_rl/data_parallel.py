@@ -16,6 +16,8 @@ without naming a rank:
   calls; `pads` tells `buffer.loss_inputs` to do the same for a source missing from one rank's minibatch; and
   `lockstep` (dllm_rl/lockstep.py) makes every such call the same number of forwards on every rank;
 - the minibatch plan (`minibatch_plan`): the single-process plan over all ranks' rows, cut to this rank's;
+- a minibatch's backward passes (`pieces`): as many on every rank, each a run of one part's rows and of its
+  estimator's forwards, so the gradient accumulates over them and the optimizer steps once;
 - the loss normaliser (`total`): `algo.losses.aggregate` divides a rank's loss by the units of every rank, so
   DeepSpeed's gradient average is the gradient of the loss over all rows;
 - decisions every rank takes alike (`any`, `widest`, `gather_objects`) and metrics over ranks (`mean_metrics`,
@@ -26,13 +28,14 @@ With one process every call returns its input or a local count, and no collectiv
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
-from dllm_rl.buffer import Rows, minibatch_plan, num_minibatches
-from dllm_rl.engine import World, all_gather_objects, all_sum, any_rank, gather_tensor, mean_metrics
+from dllm_rl.buffer import Piece, Rows, minibatch_plan, num_minibatches, piece_spans
+from dllm_rl.engine import World, all_gather_objects, all_max, all_sum, any_rank, gather_tensor, mean_metrics
 from dllm_rl.errors import require
 from dllm_rl.likelihood.estimators import Estimator
 from dllm_rl.lockstep import Lockstep
@@ -150,7 +153,35 @@ class DataParallel:
                 f"prompts_per_step * group_size: a rollout allocator must stay within the step's budget")
         return rank_plan([p.shard.total for p in parts], [p.shard.index_N for p in parts], count, mix, generator)
 
+    def pieces(self, parts: Sequence[Rows], picks: Sequence[torch.Tensor], rows: int = 0,
+               forwards: int = 0) -> list[Piece]:
+        """The backward passes of one minibatch (`picks`: this rank's rows of each part), whose gradients the
+        engine accumulates before its one optimizer step. With `rows` = `forwards` = 0, one pass over every part
+        (the whole minibatch at once). Else each pass holds one part's rows, at most `rows` of them (0 = all this
+        rank has), and with `forwards` > 0 and a spanned estimator (`Estimator.spanned`: `ordered`,
+        `left_to_right`) at most `forwards` of its forwards, a span, so a pass holds the activations of that
+        many forwards, not of all of them. Every rank makes the same passes: the counts are the largest over
+        ranks (a rank short of rows scores a stand-in row, one short of forwards makes stand-in forwards), since
+        at ZeRO-2 and 3 each backward reduces gradients collectively."""
+        if rows == 0 and forwards == 0:
+            return [Piece(tuple(range(len(parts))), tuple(picks), (None,) * len(parts))]
+        cuts = self.agreed([math.ceil(len(r) / (rows or len(r))) if len(r) else 0 for r in picks])
+        chunks = [(p, chunk) for p, r in enumerate(picks) for chunk in torch.tensor_split(r, cuts[p])]
+        calls = self.agreed([parts[p].estimator.logits_calls(
+            None if parts[p].order_NC is None else parts[p].order_NC[chunk.to(parts[p].order_NC.device)],
+            parts[p].mask_NC.shape[1]) if len(chunk) and forwards and parts[p].estimator.spanned else 0
+            for p, chunk in chunks])
+        out = []
+        for (p, chunk), n in zip(chunks, calls):
+            spans = piece_spans(n, forwards) if forwards and parts[p].estimator.spanned else [None]
+            out += [Piece((p,), (chunk,), (span,), 1.0 / len(spans)) for span in spans]
+        return out
+
     # ------------------------------------------------------------------------------------ collectives
+
+    def agreed(self, counts: list[int]) -> list[int]:
+        """Each count's largest value over ranks (every rank passes as many)."""
+        return [int(c) for c in all_max([float(c) for c in counts], self.world)] if counts else []
 
     def total(self, value: float) -> float:
         """`value` summed over ranks (a loss normaliser, a count)."""

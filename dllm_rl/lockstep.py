@@ -56,13 +56,13 @@ class Lockstep:
         self.world, self.enabled = world, enabled and world.size > 1
 
     def score(self, estimator, policy, ids_NL: torch.Tensor, attention_mask_NL: torch.Tensor, prompt_length: int,
-              seeds_N, order_NC, mask_NC: torch.Tensor, adv_N=None) -> tuple[torch.Tensor, torch.Tensor]:
+              seeds_N, order_NC, mask_NC: torch.Tensor, adv_N=None, span=None) -> tuple[torch.Tensor, torch.Tensor]:
         """`estimator.score(...)`, with as many network forwards as the rank that needs the most."""
         run = lambda: estimator.score(policy, ids_NL, attention_mask_NL, prompt_length, seeds_N, order_NC,  # noqa: E731
-                                      mask_NC, adv_N)
+                                      mask_NC, adv_N, span)
         if not self.enabled:
             return run()
-        declared = estimator.forwards(policy, attention_mask_NL, prompt_length, order_NC)
+        declared = estimator.forwards(policy, attention_mask_NL, prompt_length, order_NC, span)
         target = int(all_max([declared], self.world)[0])
         with counting_forwards(policy.model) as made:
             logp, level_mask = run()
@@ -73,15 +73,16 @@ class Lockstep:
         return logp + self.stand_in_forwards(policy, ids_NL, target - declared), level_mask
 
     @staticmethod
-    def stand_in_forwards(policy, ids_NL: torch.Tensor, count: int) -> torch.Tensor | float:
-        """`count` forwards of one real token, their outputs summed times 0 (a tensor in the autograd graph when
-        gradients are on, so the backward runs through them too)."""
+    def stand_in_forwards(policy, ids_NL: torch.Tensor, count: int, scale: float = 0.0) -> torch.Tensor | float:
+        """`count` forwards of one real token, their outputs summed times `scale` (0: a tensor in the autograd
+        graph when gradients are on, so the backward runs through them too, with a zero gradient; NaN: a gradient
+        that is NaN on every parameter, what `Engine.update` discards an accumulated gradient with)."""
         if count <= 0:
             return 0.0
         token_11 = ids_NL[:1, -1:]
         one_11 = torch.ones_like(token_11)
         total = None
         for _ in range(count):
-            out = policy.logits(token_11, one_11).float().mean().nan_to_num(0.0, 0.0, 0.0) * 0.0
+            out = policy.logits(token_11, one_11).float().mean().nan_to_num(0.0, 0.0, 0.0) * scale
             total = out if total is None else total + out
         return total if torch.is_grad_enabled() else 0.0

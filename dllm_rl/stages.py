@@ -36,6 +36,7 @@ a stage that needs a global index reads it from `Rows.shard` or asks the `DataPa
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 from dataclasses import dataclass
@@ -46,7 +47,7 @@ import torch
 from dllm_rl.algo.advantages import group_advantages
 from dllm_rl.algo.correction import SamplerCorrection, correction_weights, rollout_log_ratio
 from dllm_rl.algo.losses import aggregation_units, grpo_loss
-from dllm_rl.buffer import Rows, loss_inputs
+from dllm_rl.buffer import Piece, Rows, loss_inputs
 from dllm_rl.collect import StepBatch, eval_mode
 from dllm_rl.data.task import Task
 from dllm_rl.data_parallel import DataParallel
@@ -55,6 +56,7 @@ from dllm_rl.errors import RunStopped
 from dllm_rl.evaluate import evaluate_task
 from dllm_rl.external.mixer import local_only
 from dllm_rl.likelihood.estimators import build_estimator
+from dllm_rl.lockstep import Lockstep
 from dllm_rl.seeds import derive_seed
 
 # Metrics that count rows or prompts: added up over data-parallel ranks (every other metric is averaged).
@@ -117,14 +119,15 @@ def assign_advantages(batch: StepBatch, advantage: str, mixer, dp: DataParallel)
 
 def score_old_and_reference(batch: StepBatch, policy, reference, iterations: int, reuse_current: bool, seed: int,
                             autocast: ContextManager, mixer=None, dp: DataParallel | None = None,
-                            replay: bool = False) -> None:
+                            replay: bool = False, micro_rows: int = 0) -> None:
     """Each row's estimator mask seed per inner iteration (a function of seed, step, iteration, source and the
     row's key: old, reference and current policy share it), then its old and reference log-probs under those masks.
     With `reuse_current` (one iteration, one minibatch) the old log-probs are the current ones detached, as in
     d1. With `replay` (`likelihood.estimators.replays_rollout`: the sampler recorded the estimator's very values)
     the on-policy rows made by the current policy (their version is the step) take the sampler's log-probs as the
     old ones, with no forward; it is the same decision on every rank, so ZeRO-3's forwards stay in step. With the
-    mixer's importance correction, the external rows' weights from their old log-probs. Scored in eval mode:
+    mixer's importance correction, the external rows' weights from their old log-probs. With `micro_rows`, at most
+    about that many rows per forward (as many calls on every rank). Scored in eval mode:
     dropout (LoRA's) would make them noisy and draw from the global RNG."""
     for source, rows in batch.rows.items():
         tag = () if source == "on_policy" else (source,)
@@ -134,12 +137,14 @@ def score_old_and_reference(batch: StepBatch, policy, reference, iterations: int
     lockstep = dp.lockstep if dp is not None else None
     with torch.no_grad(), autocast, eval_mode(policy.model):
         for rows in batch.rows.values():
+            calls = 1 if not micro_rows else -(-len(rows) // micro_rows)
+            calls = dp.agreed([calls])[0] if dp is not None else calls
             replayed = replay and rows.source == "on_policy" and rows.version == batch.step
             rows.old_logp = [None if reuse_current else rows.sampler_logp_NC.float() if replayed
-                             else rows.score_all(policy, it, lockstep) for it in range(iterations)]
+                             else rows.score_all(policy, it, lockstep, calls) for it in range(iterations)]
             if rows.source == "on_policy":
                 batch.metrics["likelihood/old_from_rollout"] = float(replayed and not reuse_current)
-            rows.ref_logp = [None if reference is None else rows.score_all(reference, it, lockstep)
+            rows.ref_logp = [None if reference is None else rows.score_all(reference, it, lockstep, calls)
                              for it in range(iterations)]
     if mixer is not None and mixer.config.correction == "is":
         batch.metrics.update(mixer.importance_weights(batch.real("external"), dp.gather if dp else local_only))
@@ -177,8 +182,9 @@ ORDERED = build_estimator({"name": "ordered", "group": 1})
 @dataclass
 class Learner:
     """mu inner iterations over minibatches of the step's rows (the single-process plan, cut to this rank's
-    rows), the clipped surrogate (+ beta * KL) per minibatch, one engine update each; then the LR schedule and
-    the reference sync. A step without a learning signal (no row on any rank with both a non-zero advantage
+    rows), the clipped surrogate (+ beta * KL) per minibatch, one engine update each, its gradient accumulated over
+    the minibatch's backward passes (`DataParallel.pieces`: one, or passes of `micro_rows` rows and
+    `micro_forwards` forwards); then the LR schedule and the reference sync. A step without a learning signal (no row on any rank with both a non-zero advantage
     and a non-zero loss weight) makes no update, so AdamW's moments cannot move the weights on zero gradients;
     it is logged as `policy/no_signal` = 1.
     A non-finite loss or gradient skips its update; `max_bad_steps` of them in a row stop the run."""
@@ -197,6 +203,8 @@ class Learner:
     ref_sync_every: int = 0
     max_bad_steps: int = 5
     bad_steps: int = 0  # non-finite updates in a row (saved with checkpoints)
+    micro_rows: int = 0  # rows per backward pass (0 = a rank's whole minibatch; see DataParallel.pieces)
+    micro_forwards: int = 0  # forwards per backward pass of a spanned estimator (0 = all of a row's)
 
     def update(self, batch: StepBatch) -> dict[str, float]:
         parts = list(batch.rows.values())
@@ -207,17 +215,18 @@ class Learner:
             # cpu: the minibatch plan is the same on every device (see dllm_rl/device.py)
             shuffle = torch.Generator(device="cpu").manual_seed(derive_seed(self.seed, "minibatch", batch.step, it))
             for picks in self.dp.minibatch_plan(parts, self.minibatch_mix, shuffle):
-                with self.autocast:
-                    inputs = loss_inputs(parts, picks, self.policy, it, self.reuse_current, pad_empty=self.dp.pads,
-                                         lockstep=self.dp.lockstep)
-                units = self.dp.total(aggregation_units(inputs["mask_NC"], aggregation, inputs["weights_N"]))
-                loss, metrics = grpo_loss(**inputs, **self.loss_options, global_units=units, ranks=self.dp.size)
-                update = self.engine.update(loss)
+                units = self.dp.total(sum(aggregation_units(*unit_inputs(part, rows, aggregation))
+                                          for part, rows in zip(parts, picks)))
+                pieces = self.dp.pieces(parts, picks, self.micro_rows, self.micro_forwards)
+                measured: list[tuple[dict[str, float], float, float]] = []
+                makers = [functools.partial(self.piece_loss, parts, piece, it, units, measured) for piece in pieces]
+                update = self.engine.update(makers, poison=lambda: Lockstep.stand_in_forwards(
+                    self.policy, parts[0].ids_NL, 1, scale=float("nan")))
                 if not update.applied:
                     self.bad_update(batch.step, update.skipped)
                     continue
                 self.bad_steps = 0
-                losses.append({**metrics, "policy/grad_norm": update.grad_norm})
+                losses.append({**merge_piece_metrics(measured), "policy/grad_norm": update.grad_norm})
         with warnings.catch_warnings():  # a step without an update still advances the schedule, on purpose
             warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
             self.scheduler.step()
@@ -233,6 +242,56 @@ class Learner:
         if self.bad_steps >= self.max_bad_steps:
             raise RunStopped(f"stopping: {self.bad_steps} non-finite updates in a row (max_bad_steps="
                              f"{self.max_bad_steps}); lower lr, or resume from the last checkpoint")
+
+
+    def piece_loss(self, parts: list[Rows], piece: Piece, iteration: int, units: float,
+                   measured: list[tuple[dict[str, float], float, float]]) -> torch.Tensor:
+        """The loss of one backward pass of a minibatch, its share of the minibatch's (`units` is the whole
+        minibatch's normaliser, over ranks, so the pieces' losses add up to the minibatch's); its metrics, with
+        their weights (counted tokens, rows), go to `measured`."""
+        with self.autocast:
+            inputs = loss_inputs([parts[p] for p in piece.parts], list(piece.rows), self.policy, iteration,
+                                 self.reuse_current, pad_empty=self.dp.pads, lockstep=self.dp.lockstep,
+                                 spans=list(piece.spans))
+        if self.loss_options.get("aggregation", "token") == "sequence" and piece.spans != (None,) * len(piece.spans):
+            # a row's mean over its tokens, of which this span holds some: its terms here over all its tokens
+            (part,), (rows,) = [parts[p] for p in piece.parts], piece.rows
+            whole_N = level_mask_and_weights(part, rows)[0].sum(-1) if len(rows) else inputs["mask_NC"].sum(-1)
+            inputs["weights_N"] = inputs["weights_N"] * inputs["mask_NC"].sum(-1) / whole_N.clamp(min=1)
+        loss, metrics = grpo_loss(**inputs, **self.loss_options, global_units=units, ranks=self.dp.size)
+        measured.append((metrics, float((inputs["mask_NC"] != 0).sum()), len(inputs["adv_N"]) * piece.share))
+        return loss
+
+def level_mask_and_weights(part: Rows, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(level_mask, weights_N) of `rows` of `part` as the loss will see them, before any forward: the tokens it
+    counts (one unit per row for a sequence-level estimator) and the rows' loss weights."""
+    rows = rows.to(part.mask_NC.device)
+    mask = part.mask_NC[rows] if part.estimator.level == "token" else torch.ones_like(part.mask_NC[rows, :1])
+    weights = part.weight_N[rows] if part.weight_N is not None else torch.ones(len(rows), device=mask.device)
+    return mask, weights
+
+
+def unit_inputs(part: Rows, rows: torch.Tensor, aggregation: str) -> tuple[torch.Tensor, str, torch.Tensor]:
+    """`aggregation_units`'s arguments for `rows` of `part`."""
+    mask, weights = level_mask_and_weights(part, rows)
+    return mask, aggregation, weights
+
+
+def merge_piece_metrics(measured: list[tuple[dict[str, float], float, float]]) -> dict[str, float]:
+    """One minibatch's loss metrics from its backward passes' (`Learner.piece_loss`): the losses added up (each is
+    its share of the minibatch's), per-token means weighted by the tokens counted, the largest ratio, the mean
+    advantage weighted by rows."""
+    def mean(key: str, weight_of) -> float:
+        weights = [weight_of(m) for m in measured]
+        total = sum(weights)
+        return sum(w * m[0][key] for w, m in zip(weights, measured)) / total if total else \
+            sum(m[0][key] for m in measured) / len(measured)
+
+    out = {k: sum(m[0][k] for m in measured) for k in ("loss/policy", "loss/kl")}
+    out.update({k: mean(k, lambda m: m[1]) for k in ("policy/clip_frac", "policy/ratio_mean")})
+    out["policy/ratio_max"] = max(m[0]["policy/ratio_max"] for m in measured)
+    out["policy/adv_mean"] = mean("policy/adv_mean", lambda m: m[2])
+    return out
 
 
 def has_signal(rows: Rows) -> torch.Tensor:

@@ -223,6 +223,10 @@ def setup(task: Task, cfg: TrainConfig, print_fn, saved_config: dict | None, all
     autocast_enabled = resolve_bf16(cfg.bf16, device)
     autocast = autocast_on(device, autocast_enabled)
     mixer = build_mixer(cfg.external, cfg.mixing, estimator, device=device)
+    require(cfg.micro_batch_forwards == 0 or estimator.spanned or (mixer is not None and mixer.estimator.spanned),
+            f"micro_batch_forwards={cfg.micro_batch_forwards} cuts the forwards of likelihood=ordered or left_to_right "
+            f"into backward passes; this run scores with likelihood={estimator.name!r}: set micro_batch_forwards=0 "
+            f"(micro_batch_rows bounds the rows of a pass with any estimator)")
     if mixer is not None:
         loss_options["shaping_gamma"] = mixer.config.shaping_gamma
     splits = describe_splits(task, needed=("train", "test") if cfg.eval_every > 0 else ("train",))
@@ -284,7 +288,8 @@ def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned,
         and not (mixer is not None and mixer.config.correction == "is")
     learner = Learner(engine, policy, learned.reference, learned.scheduler, loss_options, cfg.inner_iterations,
                       reuse_current, mixer.config.minibatch_mix if mixer is not None else "stratified", cfg.seed, dp,
-                      autocast, cfg.ref_sync_every, cfg.max_bad_steps, bad_steps=state["bad_steps"])
+                      autocast, cfg.ref_sync_every, cfg.max_bad_steps, bad_steps=state["bad_steps"],
+                      micro_rows=cfg.micro_batch_rows, micro_forwards=cfg.micro_batch_forwards)
     return Run(
         cfg, task, dp, run_dir, tracker, learned, state,
         prompts=prompts,
@@ -297,7 +302,8 @@ def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned,
         score=functools.partial(score_old_and_reference, policy=policy, reference=learned.reference,
                                 iterations=cfg.inner_iterations, reuse_current=reuse_current, seed=cfg.seed,
                                 autocast=autocast, mixer=mixer, dp=dp,
-                                replay=cfg.replay_rollout_logp and replays_rollout(estimator, cfg.sampler)),
+                                replay=cfg.replay_rollout_logp and replays_rollout(estimator, cfg.sampler),
+                                micro_rows=cfg.micro_batch_rows),
         correct=SamplerCorrectionStage(correction, policy, generating) if correction.on else None,
         learner=learner,
         held_out=HeldOut(greedy, sampler, task, tokenizer, cfg.eval_prompts, cfg.eval_samples, cfg.seed, generating),

@@ -67,6 +67,8 @@ class TrainConfig:
     group_size: int = 6
     inner_iterations: int = 1
     minibatch_size: int = 48
+    micro_batch_rows: int = 0
+    micro_batch_forwards: int = 0
     lr: float = 1.0e-4
     lr_schedule: str = "constant"
     warmup: int = 5
@@ -115,6 +117,8 @@ class TrainConfig:
             ("steps", self.steps >= 1, ">= 1"), ("prompts_per_step", self.prompts_per_step >= 1, ">= 1"),
             ("group_size", self.group_size >= 2, ">= 2 (advantages compare rollouts of a prompt)"),
             ("inner_iterations", self.inner_iterations >= 1, ">= 1"), ("minibatch_size", self.minibatch_size >= 1, ">= 1"),
+            ("micro_batch_rows", self.micro_batch_rows >= 0, ">= 0 (0 = a rank's whole minibatch)"),
+            ("micro_batch_forwards", self.micro_batch_forwards >= 0, ">= 0 (0 = all of a row's forwards)"),
             ("lr", math.isfinite(self.lr) and self.lr > 0, "> 0 and finite"), ("warmup", self.warmup >= 0, ">= 0"),
             ("weight_decay", math.isfinite(self.weight_decay) and self.weight_decay >= 0, ">= 0"),
             ("grad_clip", self.grad_clip > 0, "> 0"), ("train_pool", self.train_pool >= 1, ">= 1"),

@@ -28,7 +28,7 @@ class Part:
         self.logp, self.adv_N, self.weight_N, self.shaped = logp, adv, weight, shaped
         self.ref_logp = []
 
-    def score(self, policy, rows, iteration, lockstep=None):
+    def score(self, policy, rows, iteration, lockstep=None, span=None):
         return self.logp[rows], torch.ones_like(self.logp[rows])
 
 

@@ -24,7 +24,7 @@ import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -82,16 +82,37 @@ class Engine:
 
     # ------------------------------------------------------------------------------------ update
 
-    def update(self, loss: torch.Tensor) -> Update:
-        """One optimizer update from `loss`, on every rank alike: skipped when the loss is non-finite on any
-        rank (nothing is back-propagated) or the gradient is (see `step`); else backward, clip and step."""
-        if any_rank(not math.isfinite(float(loss.detach())), self.world):
-            return Update(False, skipped="non-finite loss")
-        self.ds.backward(loss)
+    def update(self, losses: torch.Tensor | Sequence[Callable[[], torch.Tensor]],
+               poison: Callable[[], torch.Tensor] | None = None) -> Update:
+        """One optimizer update, on every rank alike, from `losses`: a loss, or the makers of the losses of a
+        minibatch's backward passes (`DataParallel.pieces`, as many on every rank), each made and back-propagated
+        in turn so that one pass's activations are freed before the next, their gradients accumulated (DeepSpeed's
+        accumulation boundary at the last: ZeRO reduces and the optimizer steps once). A loss that is non-finite on
+        any rank skips the update: before any backward nothing is back-propagated; after some, `poison` (a loss
+        whose gradient is NaN on every parameter, e.g. a forward times NaN: a NaN loss alone can have a finite
+        gradient) is back-propagated at the boundary, so that the optimizer's own non-finite check (`step`)
+        discards what had accumulated, whatever the ZeRO stage keeps it in. Else clip and step."""
+        makers = [lambda: losses] if isinstance(losses, torch.Tensor) else list(losses)
+        for k, make in enumerate(makers):
+            loss = make()
+            if any_rank(not math.isfinite(float(loss.detach())), self.world):
+                if k > 0:
+                    del loss
+                    self.backward(poison(), boundary=True)
+                    if self.step() is not None:
+                        raise RuntimeError("the gradient accumulated before a non-finite loss was applied: the "
+                                           "weights are no longer trustworthy; resume from the last checkpoint")
+                return Update(False, skipped="non-finite loss")
+            self.backward(loss, boundary=k == len(makers) - 1)
         norm = self.step()
         if norm is None:
             return Update(False, skipped="non-finite gradient")
         return Update(True, grad_norm=norm)
+
+    def backward(self, loss: torch.Tensor, boundary: bool = True) -> None:
+        """Back-propagate `loss` into the accumulated gradient; `boundary` marks the last pass before `step`."""
+        self.ds.set_gradient_accumulation_boundary(boundary)
+        self.ds.backward(loss)
 
     def step(self) -> float | None:
         """Clip (per the config) and step; returns the pre-clip global gradient norm, or None when it was

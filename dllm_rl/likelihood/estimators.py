@@ -58,8 +58,13 @@ from dllm_rl.seeds import row_generators
 MASK_DEVICE = torch.device("cpu")
 
 
-def _token_logp(policy: DiffusionPolicy, input_BL, attention_mask_BL, targets_BC, P: int) -> torch.Tensor:
+def _token_logp(policy: DiffusionPolicy, input_BL, attention_mask_BL, targets_BC, P: int,
+                columns_K: torch.Tensor | None = None) -> torch.Tensor:
+    """log p of each window target (B, C); with `columns_K`, of those window columns only (B, K): the float32
+    log-softmax, and what the backward keeps of it, is then K columns wide, not C."""
     logits_BCV = policy.logits(input_BL, attention_mask_BL)[:, P:]
+    if columns_K is not None:
+        logits_BCV, targets_BC = logits_BCV[:, columns_K], targets_BC[:, columns_K]
     return -F.cross_entropy(logits_BCV.float().transpose(1, 2), targets_BC, reduction="none")
 
 
@@ -279,8 +284,10 @@ def spg(policy, ids_NL, attention_mask_NL, prompt_length: int, *, seeds_N, order
 
 
 def ordered(policy, ids_NL, attention_mask_NL, prompt_length: int, *, order_NC: torch.Tensor | None = None, seeds_N=None,
-            group: int = 1) -> torch.Tensor:
-    """`order_NC[n, i]` is the step at which completion token i was unmasked (ties share a step)."""
+            group: int = 1, span: tuple[int, int] | None = None) -> torch.Tensor:
+    """`order_NC[n, i]` is the step at which completion token i was unmasked (ties share a step). `span` = (a, b)
+    makes only the forwards a..b-1 of `ordered_groups` (the others' tokens are left 0: `span_mask` says which
+    are scored), so a learner can back-propagate the forwards of one span before it makes the next."""
     require(group >= 1, f"group must be >= 1, got {group}")
     require(order_NC is not None, "the ordered estimator needs the unmask step of every completion token")
     P = prompt_length
@@ -288,12 +295,15 @@ def ordered(policy, ids_NL, attention_mask_NL, prompt_length: int, *, order_NC: 
     require(ids_NL.shape[1] - P == C, f"order_NC has {C} columns but the completion window has {ids_NL.shape[1] - P}")
     require(bool((order_NC >= 0).all()), "order_NC has negative steps: every completion token needs an unmask step")
     logp_NC = torch.zeros((N, C), dtype=torch.float32, device=ids_NL.device)
-    for lo, hi in ordered_groups(order_NC, group):
+    groups = ordered_groups(order_NC, group)
+    for lo, hi in groups if span is None else groups[span[0]:span[1]]:
         scored_NC = (order_NC >= lo) & (order_NC < hi)
         noisy_NL = ids_NL.clone()
         noisy_NL[:, P:] = ids_NL[:, P:].masked_fill(order_NC >= lo, policy.mask_id)
-        step_logp_NC = _token_logp(policy, noisy_NL, attention_mask_NL, ids_NL[:, P:], P)
-        logp_NC = torch.where(scored_NC, step_logp_NC, logp_NC)
+        columns_K = scored_NC.any(0).nonzero().squeeze(-1)  # the columns some row scores at this step
+        step_logp_NK = _token_logp(policy, noisy_NL, attention_mask_NL, ids_NL[:, P:], P, columns_K)
+        logp_NC = logp_NC.index_copy(1, columns_K, torch.where(scored_NC[:, columns_K], step_logp_NK,
+                                                                 logp_NC[:, columns_K]))
     return logp_NC
 
 
@@ -304,11 +314,16 @@ def ordered_groups(order_NC: torch.Tensor, group: int) -> list[tuple[int, int]]:
     return [(j * group, (j + 1) * group) for j in sorted({s // group for s in steps if s >= 0})]
 
 
+def positions_order(N: int, C: int, device=None) -> torch.Tensor:
+    """order_NC of left-to-right decoding: position i at step i."""
+    return torch.arange(C, device=device).expand(N, C)
+
+
 def left_to_right(policy, ids_NL, attention_mask_NL, prompt_length: int, *, seeds_N=None, order_NC=None,
-                  group: int = 1) -> torch.Tensor:
+                  group: int = 1, span: tuple[int, int] | None = None) -> torch.Tensor:
     N, C = ids_NL.shape[0], ids_NL.shape[1] - prompt_length
-    order_NC = torch.arange(C, device=ids_NL.device).expand(N, C)
-    return ordered(policy, ids_NL, attention_mask_NL, prompt_length, order_NC=order_NC, group=group)
+    return ordered(policy, ids_NL, attention_mask_NL, prompt_length, order_NC=positions_order(N, C, ids_NL.device),
+                   group=group, span=span)
 
 
 # name -> (function, ratio level, needs the rollout's denoising trajectory)
@@ -334,6 +349,9 @@ LOGITS_CALLS: dict[str, Callable[..., int]] = {
     "ordered": lambda order_NC, C, options: len(ordered_groups(order_NC, options.get("group", 1))),
     "left_to_right": lambda order_NC, C, options: math.ceil(C / options.get("group", 1)),
 }
+# the estimators whose forwards score disjoint sets of tokens, one set each, so that any run of them (a `span`)
+# can be made and back-propagated alone: the learner's micro-batches of forwards (`learner.forwards`)
+SPANNED = ("ordered", "left_to_right")
 
 
 def replays_rollout(estimator: "Estimator", rollout: dict[str, Any]) -> bool:
@@ -358,7 +376,7 @@ def estimate_logp(name: str, policy, ids_NL, attention_mask_NL, prompt_length: i
     return fn(policy, ids_NL, attention_mask_NL, prompt_length, **kwargs)
 
 
-RUNTIME_ARGS = ("seeds_N", "order_NC", "adv_N")  # what the trainer passes per call; every other keyword is an option
+RUNTIME_ARGS = ("seeds_N", "order_NC", "adv_N", "span")  # what the trainer passes per call; every other keyword is an option
 OPTION_RANGES = {"prompt_mask_prob": "probability", "num_masks": "at_least_1", "eps": "open_unit", "group": "at_least_1",
                  "block_length": "at_least_1", "beta": "at_least_1", "omega": "probability"}
 OPTION_CHOICES = {"masking": ELBO_MASKINGS}
@@ -384,26 +402,54 @@ class Estimator:
     def config(self) -> dict[str, Any]:
         return {"name": self.name, **self.options}
 
+    @property
+    def spanned(self) -> bool:
+        """Whether any run of its forwards can be made alone (`span`; see SPANNED)."""
+        return self.name in SPANNED
+
     def logp(self, policy, ids_NL, attention_mask_NL, prompt_length: int, seeds_N=None, order_NC=None,
-             adv_N=None) -> torch.Tensor:
-        """logp_NC, one value per completion token (see the module docstring)."""
+             adv_N=None, span: tuple[int, int] | None = None) -> torch.Tensor:
+        """logp_NC, one value per completion token (see the module docstring); with `span` (spanned estimators
+        only), the tokens of its forwards span[0]..span[1]-1 (the others 0)."""
         extra = {"adv_N": adv_N} if self.needs_advantage else {}
+        if span is not None:
+            require(self.spanned, f"the {self.name!r} estimator cannot score a span of its forwards (only {SPANNED})")
+            extra["span"] = span
         return self.fn(policy, ids_NL, attention_mask_NL, prompt_length, seeds_N=seeds_N, order_NC=order_NC,
                        **extra, **self.options)
 
-    def forwards(self, policy, attention_mask_NL, prompt_length: int, order_NC=None) -> int:
+    def logits_calls(self, order_NC, C: int) -> int:
+        """How many `policy.logits` calls `logp` makes on rows of window C (with this trajectory)."""
+        return LOGITS_CALLS[self.name](order_NC, C, self.options)
+
+    def forwards(self, policy, attention_mask_NL, prompt_length: int, order_NC=None,
+                 span: tuple[int, int] | None = None) -> int:
         """How many network forwards `logp` makes on these rows (declared ahead, for ZeRO-3's lockstep)."""
-        C = attention_mask_NL.shape[1] - prompt_length
-        return LOGITS_CALLS[self.name](order_NC, C, self.options) * policy.forwards(attention_mask_NL)
+        calls = self.logits_calls(order_NC, attention_mask_NL.shape[1] - prompt_length)
+        if span is not None:
+            calls = max(0, min(span[1], calls) - span[0])
+        return calls * policy.forwards(attention_mask_NL)
+
+    def span_mask(self, order_NC, N: int, C: int, span: tuple[int, int], device=None) -> torch.Tensor:
+        """in_span_NC: the tokens that the forwards span[0]..span[1]-1 score."""
+        if self.name == "left_to_right":
+            order_NC = positions_order(N, C, device)
+        groups = ordered_groups(order_NC, self.options.get("group", 1))[span[0]:span[1]]
+        if not groups:
+            return torch.zeros((N, C), dtype=torch.bool, device=device)
+        return (order_NC >= groups[0][0]) & (order_NC < groups[-1][1])
 
     def score(self, policy, ids_NL, attention_mask_NL, prompt_length: int, seeds_N, order_NC,
-              mask_NC: torch.Tensor, adv_N=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logp, level_mask) at the ratio level: per token (N, C) with `mask_NC`, or per sequence (N, 1), the
-        sum over the counted tokens, with a mask of ones."""
+              mask_NC: torch.Tensor, adv_N=None, span: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logp, level_mask) at the ratio level: per token (N, C) with `mask_NC` (with `span`, only on the
+        span's tokens), or per sequence (N, 1), the sum over the counted tokens, with a mask of ones."""
         logp_NC = self.logp(policy, ids_NL, attention_mask_NL, prompt_length, seeds_N=seeds_N, order_NC=order_NC,
-                            adv_N=adv_N)
+                            adv_N=adv_N, span=span)
         if self.level == "sequence":
             return (logp_NC * mask_NC).sum(-1, keepdim=True), torch.ones_like(mask_NC[:, :1])
+        if span is not None:
+            in_span_NC = self.span_mask(order_NC, *mask_NC.shape, span, device=mask_NC.device)
+            mask_NC = mask_NC * in_span_NC.to(mask_NC.dtype)
         return logp_NC, mask_NC
 
 

@@ -59,6 +59,10 @@ UNEVEN = {
                      likelihood={"name": "left_to_right", "group": 1}, algo={"advantage": "std", "beta": 0.04},
                      inner_iterations=2, eval_every=2, eval_prompts=3),
 }
+# JustGRPO's recipe back-propagated in pieces (dllm_rl/data_parallel.py, `pieces`): one row and at most 5 of its 16
+# forwards per backward pass, the gradient accumulated over a minibatch's passes; the ranks hold different rows, so
+# their counts of pieces and of forwards per piece differ before they agree
+UNEVEN["pieces"] = dict(UNEVEN["justgrpo"], micro_batch_rows=1, micro_batch_forwards=5)
 
 
 # Runs whose ranks hold uneven numbers of rows (dllm_rl/curation/): SERA gives each prompt its own group size from
@@ -163,8 +167,9 @@ def main(out: Path, model: str, command: str, *args: str) -> None:
         run_train(out, model, 2, lora=lora, name="dropout")
         run_train(out, model, 2, steps=3, resume=True, lora=lora, name="dropout")
         run_train(out, model, 2, steps=3, lora=lora, name="dropout_straight")
-    elif command == "uneven":  # UNEVEN[name] at ZeRO-3
-        run_uneven(out, model, args[0], 3)
+    elif command == "uneven":  # UNEVEN[name] at the given stages (ZeRO-3 by default)
+        for stage in map(int, args[1:] or ["3"]):
+            run_uneven(out, model, args[0], stage)
     elif command == "ragged":  # RAGGED[name] at the given stages
         for stage in map(int, args[1:]):
             run_ragged(out, model, args[0], stage)

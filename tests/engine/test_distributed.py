@@ -148,6 +148,29 @@ def test_the_newest_estimators_agree_with_one_process_at_zero3(runs, name):
     assert_weights_agree(weights(two / f"{name}_zero3", 2), weights(single / f"{name}_zero0", 2), name)
 
 
+def test_a_minibatch_in_pieces_agrees_with_one_process_whole_at_zero2_and_zero3(runs):
+    """JustGRPO's recipe with ERILS rows, back-propagated one row and at most 5 forwards at a time
+    (micro_batch_rows=1, micro_batch_forwards=5), the gradient accumulated over the pieces: two ranks at ZeRO-2
+    (gradients reduced in every backward) and ZeRO-3 (parameters gathered in every forward) give the losses and
+    weights one process gives with the whole minibatch in one backward."""
+    import dist_worker
+
+    root, _, _ = runs
+    single, two = root / "pieces_single", root / "pieces_two"
+    single.mkdir()
+    two.mkdir()
+    dist_worker.run_uneven(single, str(root / "model"), "justgrpo", 0)
+    launched(two, str(root / "model"), "uneven", "pieces", "2", "3")
+    base = metrics(single / "justgrpo_zero0")
+    assert all(m["policy/updates"] == 2 * 2 for m in base[1:]) and any(m.get("external/rows", 0) for m in base)
+    for stage in (2, 3):
+        run = metrics(two / f"pieces_zero{stage}")
+        for key in ("loss/policy", "loss/kl", "policy/grad_norm", "policy/clip_frac", "reward/on_policy", "eval/reward"):
+            got, want = ([m[key] for m in lines if key in m] for lines in (run, base))
+            assert len(want) == 2 and got == pytest.approx(want, rel=1e-5, abs=1e-7), (stage, key)
+        assert_weights_agree(weights(two / f"pieces_zero{stage}", 2), weights(single / "justgrpo_zero0", 2), stage)
+
+
 @pytest.mark.parametrize("name", ["sera", "ds_darts"])
 def test_ranks_holding_uneven_rows_agree_with_one_process_at_zero_0_2_3(runs, name):
     """Rollout curation leaves the ranks uneven (SERA's group sizes, dynamic sampling's dropped groups and extra
