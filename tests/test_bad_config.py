@@ -14,6 +14,8 @@ TRAIN = [
     ("steps=abc", "steps='abc': expected int"), ("steps=0", "steps must be >= 1"), ("steps=-3", "steps must be >= 1"),
     ("prompts_per_step=0", "prompts_per_step must be >= 1"), ("group_size=1", "group_size must be >= 2"),
     ("inner_iterations=0", "inner_iterations must be >= 1"), ("minibatch_size=0", "minibatch_size must be >= 1"),
+    ("micro_batch_rows=-1", "micro_batch_rows must be >= 0"), ("micro_batch_forwards=-2", "micro_batch_forwards must be >= 0"),
+    ("micro_batch_forwards=4", "micro_batch_forwards=4 cuts the forwards of likelihood=ordered or left_to_right"),
     ("lr=-1", "lr must be > 0 and finite"), ("lr=inf", "lr must be > 0 and finite"), ("lr=nan", "lr must be > 0"),
     ("lr=abc", "lr='abc': expected float"), ("lr_schedule=linear", "lr_schedule must be 'constant' or 'cosine'"),
     ("warmup=-1", "warmup must be >= 0"), ("weight_decay=-0.1", "weight_decay must be >= 0"),
