@@ -61,7 +61,8 @@ from dllm_rl.seeds import derive_seed
 
 # Metrics that count rows or prompts: added up over data-parallel ranks (every other metric is averaged).
 COUNTS = tuple(f"external/{k}" for k in ("candidates", "too_long", "truncated", "unrepresentable", "incorrect",
-                                         "prompts", "rows")) + ("rollouts/on_policy",)
+                                         "prompts", "rows")) + ("rollouts/on_policy", "curation/dropout_dropped",
+                                                                "curation/dropout_positive")
 
 
 # ------------------------------------------------------------------------------------------ external, advantages

@@ -362,6 +362,7 @@ def run_step(run: Run, step: int, timer: PhaseTimer) -> tuple[StepBatch, dict[st
         if run.external is not None:
             run.external(batch)
         run.advantages(batch)
+        run.curation.reweight(batch)  # GRPODropout: advantages and loss weights of whole groups
         observe_curation(batch, run.curation, dp)
     with timer("score"):
         dp.shard_sources(batch.rows, run.estimators)

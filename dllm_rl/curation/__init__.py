@@ -8,9 +8,10 @@ Strategies, each a small module of pure decision functions plus its state here (
 | `sera`             | SERA, arXiv 2609.36552     | each prompt's group size, its loss weight   | before generating    |
 | `darts`            | DARTS, arXiv 2605.30859    | G + delta rollouts, keep the best G         | before / after generating |
 | `dynamic_sampling` | DAPO, arXiv 2503.14476     | drop flat groups, draw more prompts         | after verifying      |
+| `grpo_dropout`     | GRPODropout, arXiv 2610.11854 | drop entropy-lowering positive rollouts  | after advantages     |
 
 They compose where their decisions do: `greso` with any other (it only removes prompts), `darts` with
-`dynamic_sampling`. `sera` decides the group sizes itself, so `sera` with `darts` (which sets them too) or with
+`dynamic_sampling`, `grpo_dropout` with any (it acts on the advantages, after the others have chosen the rows). `sera` decides the group sizes itself, so `sera` with `darts` (which sets them too) or with
 `dynamic_sampling` (which refills the step with groups of G) is refused by name. Choose one with `curation=greso`,
 several with `curation=[greso,dynamic_sampling]`; options as `curation.greso.p_start=0.3`.
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dllm_rl.curation.strategies import (Curation, Darts, DynamicSampling, Greso, Sera, GroupRecord,
+from dllm_rl.curation.strategies import (Curation, Darts, DynamicSampling, Greso, GrpoDropout, Sera, GroupRecord,
                                          STRATEGIES)
 from dllm_rl.errors import ConfigError, require
 
@@ -57,5 +58,5 @@ def build_curation(options: dict[str, Any] | None, *, group_size: int, prompts_p
     return Curation(strategies, group_size=group_size, prompts_per_step=prompts_per_step)
 
 
-__all__ = ["Curation", "Darts", "DynamicSampling", "Greso", "GroupRecord", "Sera", "STRATEGIES", "build_curation",
+__all__ = ["Curation", "Darts", "DynamicSampling", "Greso", "GroupRecord", "GrpoDropout", "Sera", "STRATEGIES", "build_curation",
            "check_curation"]

@@ -4,6 +4,7 @@
 - `allocate(step, drawn, counts)`: rollouts per drawn prompt (0 = none), before generating; the same on every
   rank (a function of the drawn prompts, the state and seeds);
 - `select(batch)`: this rank's freshly generated rows (whole groups), before verifying: rows to keep, weights;
+- `reweight(batch)`: this rank's rows (whole groups) once their advantages are set: advantages, loss weights;
 - `observe(records)`: every rank's groups of the step (`GroupRecord`, gathered, in prompt id order);
 - `state_dict()` / `load_state_dict()`: plain values, saved with every checkpoint.
 Dynamic sampling is not a hook of one batch but the loop around them (`more`, `finish`).
@@ -16,8 +17,8 @@ from typing import Any
 
 import torch
 
-from dllm_rl.curation import darts, dynamic_sampling, greso, sera
-from dllm_rl.errors import check_kwargs, check_types
+from dllm_rl.curation import darts, dynamic_sampling, greso, grpo_dropout, sera
+from dllm_rl.errors import check_kwargs, check_types, require
 from dllm_rl.seeds import derive_seed
 
 
@@ -55,6 +56,9 @@ class Strategy:
         return counts
 
     def select(self, batch) -> None:
+        pass
+
+    def reweight(self, batch) -> None:
         pass
 
     def observe(self, records: list[GroupRecord]) -> None:
@@ -277,7 +281,43 @@ class DynamicSampling(Strategy):
         self.config = config
 
 
-STRATEGIES: dict[str, type[Strategy]] = {s.name: s for s in (Greso, DynamicSampling, Sera, Darts)}
+# ------------------------------------------------------------------------------------------ GRPODropout
+
+
+class GrpoDropout(Strategy):
+    """Drop the entropy-lowering positive rollouts of each on-policy group, recentre the rest
+    (dllm_rl/curation/grpo_dropout.py)."""
+
+    name, config_class = "grpo_dropout", grpo_dropout.GrpoDropoutConfig
+
+    def __init__(self, config: grpo_dropout.GrpoDropoutConfig, *, group_size: int, seed: int, pool_size: int,
+                 external: bool = False):
+        self.config = config
+
+    def reweight(self, batch) -> None:
+        on = batch.real("on_policy")
+        if on is None:
+            batch.metrics.update({"curation/dropout_dropped": 0.0, "curation/dropout_positive": 0.0})
+            return
+        require(on.sampler_logp_NC is not None, "curation=grpo_dropout reads each rollout's surprisal from the "
+                "sampler's record (Rows.sampler_logp_NC), and these on-policy rows have none")
+        s_N = grpo_dropout.surprisal(on.sampler_logp_NC, on.mask_NC).cpu()
+        adv_N, keep_N = on.adv_N.detach().cpu().clone(), torch.ones(len(on), dtype=torch.bool)
+        for prompt in sorted(set(on.prompt_N.tolist())):
+            rows = (on.prompt_N.cpu() == prompt).nonzero().squeeze(-1)
+            keep_G = grpo_dropout.keep_mask(adv_N[rows], s_N[rows])
+            if not bool(keep_G.all()):
+                adv_N[rows] = grpo_dropout.recentred(adv_N[rows], s_N[rows], keep_G)
+                keep_N[rows] = keep_G
+        # this step's counts, in this step's metrics (summed over ranks: stages.COUNTS)
+        batch.metrics.update({"curation/dropout_dropped": float((~keep_N).sum()),
+                              "curation/dropout_positive": float((on.adv_N > 0).sum())})
+        on.adv_N = adv_N.to(on.adv_N.device)
+        keep = keep_N.to(on.adv_N.device, on.adv_N.dtype)
+        on.weight_N = keep if on.weight_N is None else on.weight_N * keep
+
+
+STRATEGIES: dict[str, type[Strategy]] = {s.name: s for s in (Greso, DynamicSampling, Sera, Darts, GrpoDropout)}
 
 
 # ------------------------------------------------------------------------------------------ the step's view
@@ -315,6 +355,10 @@ class Curation:
         self.counters["rollouts_generated"] += sum(counts)
         self.counters["rounds"] += 1
         return counts
+
+    def reweight(self, batch) -> None:
+        for s in self.strategies:
+            s.reweight(batch)
 
     def select(self, batch) -> None:
         before = len(batch.real("on_policy") or [])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dllm_rl.curation import build_curation, check_curation
-from dllm_rl.curation import darts, dynamic_sampling, greso, sera
+from dllm_rl.curation import darts, dynamic_sampling, greso, grpo_dropout, sera
 from dllm_rl.curation.strategies import Darts, GroupRecord, Greso, Sera
 from dllm_rl.errors import ConfigError
 from dllm_rl.collect import Drawn
@@ -202,3 +202,65 @@ def test_dynamic_sampling_stops_after_max_rounds_when_every_prompt_is_skipped():
         assert cur.allocate(0, drawn([next(ids) for _ in range(ask)])) == [0] * ask
         ask = cur.more([])
     assert rounds == 3 and cur.metrics()["curation/rounds"] == 3
+
+
+# ------------------------------------------------------------------------------------------ GRPODropout
+
+
+def test_grpo_dropout_on_a_hand_computed_group():
+    """A = (0.5, 0.5, -0.5, -0.5), s = (0.1, 0.5, 0.5, 0.3): mean s 0.35, h = A/4 (s - 0.35) = (-0.03125, 0.01875,
+    -0.01875, 0.00625), sum -0.025 < 0; the most negative h of a positive rollout is rollout 0's, dropping it
+    leaves 0.00625 >= 0. Recentred with w = exp(-s) over the kept: mean (0.5 w1 - 0.5 w2 - 0.5 w3) / (w1 + w2 + w3)
+    = -0.18958."""
+    adv, s = torch.tensor([0.5, 0.5, -0.5, -0.5]), torch.tensor([0.1, 0.5, 0.5, 0.3])
+    assert grpo_dropout.contributions(adv, s).tolist() == pytest.approx([-0.03125, 0.01875, -0.01875, 0.00625])
+    keep = grpo_dropout.keep_mask(adv, s)
+    assert keep.tolist() == [False, True, True, True]
+    assert float(grpo_dropout.contributions(adv, s)[keep].sum()) == pytest.approx(0.00625)
+    w = torch.exp(-s)
+    mean = float((0.5 * w[1] - 0.5 * w[2] - 0.5 * w[3]) / (w[1] + w[2] + w[3]))
+    assert float(mean) == pytest.approx(-0.18958, abs=1e-5)
+    assert grpo_dropout.recentred(adv, s, keep).tolist() == pytest.approx([0.0, 0.5 - mean, -0.5 - mean, -0.5 - mean])
+    assert grpo_dropout.surprisal(torch.tensor([[-1.0, -3.0, -9.0]]), torch.tensor([[1, 1, 0]])).tolist() == [2.0]
+
+
+def test_grpo_dropout_drops_only_positive_rollouts_and_leaves_the_covariance_non_negative_when_it_can():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        G = int(torch.randint(2, 9, (1,), generator=g))
+        rewards = torch.randint(0, 2, (G,), generator=g).float()
+        adv, s = rewards - rewards.mean(), torch.rand(G, generator=g) * 3
+        keep = grpo_dropout.keep_mask(adv, s)
+        h = grpo_dropout.contributions(adv, s)
+        assert bool((adv[~keep] > 0).all())  # never a non-positive one
+        could = float(h[(adv <= 0) | (h >= 0)].sum()) >= -1e-12  # dropping every entropy-lowering positive suffices
+        assert (float(h[keep].sum()) >= -1e-12) == could or bool(keep.all())
+        if could:  # greedy: one rollout fewer would not do
+            dropped = sorted((float(h[i]) for i in range(G) if not keep[i]))
+            assert not dropped or float(h[keep].sum()) + dropped[-1] < 1e-12
+        if not bool(keep.all()):
+            new, w = grpo_dropout.recentred(adv, s, keep), torch.exp(-s) * keep
+            assert float((w * new).sum()) == pytest.approx(0.0, abs=1e-6) and bool((new[~keep] == 0).all())
+        if bool((rewards == rewards[0]).all()):
+            assert bool(keep.all())  # a flat group: zero advantages, nothing to drop
+
+
+def test_grpo_dropout_reweights_whole_groups_of_a_batch(make_rows):
+    from dllm_rl.collect import StepBatch
+
+    d = build_curation({"grpo_dropout": {}}, group_size=4, prompts_per_step=2, seed=0, pool_size=10)
+    d.begin()
+    batch = StepBatch(0, [None] * 2, ["a", "b"], [0, 1], [4, 4])
+    rows = make_rows("on_policy", 8, prompts=2, C=2)
+    rows.adv_N = torch.tensor([0.5, 0.5, -0.5, -0.5, 0.0, 0.0, 0.0, 0.0])  # the second group is flat
+    s = torch.tensor([0.1, 0.5, 0.5, 0.3, 0.1, 0.2, 0.3, 0.4])
+    rows.sampler_logp_NC = -s[:, None].expand(8, 2).clone()
+    rows.weight_N = torch.full((8,), 2.0)
+    batch.rows["on_policy"] = rows
+    d.reweight(batch)
+    assert rows.weight_N.tolist() == [0.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0]
+    assert rows.adv_N[:4].tolist() == pytest.approx(grpo_dropout.recentred(torch.tensor([0.5, 0.5, -0.5, -0.5]),
+                                                                           s[:4], torch.tensor([0, 1, 1, 1]).bool()).tolist())
+    assert rows.adv_N[4:].tolist() == [0.0] * 4
+    assert batch.metrics["curation/dropout_dropped"] == 1.0 and batch.metrics["curation/dropout_positive"] == 2.0
+    assert check_curation({"grpo_dropout": {}}) == ["grpo_dropout"]

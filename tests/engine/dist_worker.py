@@ -68,11 +68,12 @@ UNEVEN["pieces"] = dict(UNEVEN["justgrpo"], micro_batch_rows=1, micro_batch_forw
 # Runs whose ranks hold uneven numbers of rows (dllm_rl/curation/): SERA gives each prompt its own group size from
 # step 2 on (a pool of 4 prompts: every step is an epoch, so the posterior moves), n_min 1 allows groups of one;
 # dynamic sampling drops the groups with equal rewards and draws more prompts in rounds, and DARTS keeps 2 of
-# 2 + delta rollouts per prompt.
+# 2 + delta rollouts per prompt, and GRPODropout drops positive rollouts (loss weight 0) and recentres the rest.
 RAGGED = {
     "sera": dict(curation={"sera": {"n_min": 1, "n_max": 8}}, train_pool=4, group_size=4, minibatch_size=8,
                  algo={"advantage": "maxrl", "beta": 0.04}),
-    "ds_darts": dict(curation={"dynamic_sampling": {"max_extra": 40}, "darts": {"delta": 1}}, train_pool=6),
+    "ds_darts": dict(curation={"dynamic_sampling": {"max_extra": 40}, "darts": {"delta": 1}, "grpo_dropout": {}},
+                     train_pool=6),
 }
 
 

@@ -174,7 +174,7 @@ def test_a_minibatch_in_pieces_agrees_with_one_process_whole_at_zero2_and_zero3(
 @pytest.mark.parametrize("name", ["sera", "ds_darts"])
 def test_ranks_holding_uneven_rows_agree_with_one_process_at_zero_0_2_3(runs, name):
     """Rollout curation leaves the ranks uneven (SERA's group sizes, dynamic sampling's dropped groups and extra
-    rounds, DARTS's selection): the gathered keys put every row in its single-process place, so losses, rewards
+    rounds, DARTS's selection, GRPODropout's dropped rollouts): the gathered keys put every row in its single-process place, so losses, rewards
     and weights still match one process at ZeRO 0, 2 and 3."""
     import dist_worker
 
@@ -195,7 +195,8 @@ def test_ranks_holding_uneven_rows_agree_with_one_process_at_zero_0_2_3(runs, na
             assert any(a[0] != b[0] for a, b in zip(*held)), held
         run = metrics(two / f"ragged_{name}_zero{stage}")
         for key in ("loss/policy", "loss/kl", "policy/grad_norm", "reward/on_policy", "len/on_policy",
-                    "rollouts/on_policy", "reward/zero_std_groups", "curation/rollouts_generated"):
+                    "rollouts/on_policy", "reward/zero_std_groups", "curation/rollouts_generated",
+                    "curation/dropout_dropped"):
             assert [m.get(key) for m in run] == pytest.approx([m.get(key) for m in base], rel=1e-5, abs=1e-7), \
                 (stage, key)
         assert_weights_agree(weights(two / f"ragged_{name}_zero{stage}", 2), weights(single / f"ragged_{name}_zero0", 2),
