@@ -43,7 +43,7 @@ def contributions(adv_G: torch.Tensor, s_G: torch.Tensor) -> torch.Tensor:
 def keep_mask(adv_G: torch.Tensor, s_G: torch.Tensor) -> torch.Tensor:
     """keep_G: False for the positive rollouts dropped, most negative h first, until the kept h sum to >= 0."""
     h_G = contributions(adv_G.double(), s_G.double())
-    keep_G = torch.ones(len(adv_G), dtype=torch.bool)
+    keep_G = torch.ones(len(adv_G), dtype=torch.bool, device=adv_G.device)
     total = float(h_G.sum())
     for g in sorted(range(len(adv_G)), key=lambda g: (float(h_G[g]), g)):
         if total >= 0 or float(h_G[g]) >= 0:

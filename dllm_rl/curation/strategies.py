@@ -302,7 +302,8 @@ class GrpoDropout(Strategy):
         require(on.sampler_logp_NC is not None, "curation=grpo_dropout reads each rollout's surprisal from the "
                 "sampler's record (Rows.sampler_logp_NC), and these on-policy rows have none")
         s_N = grpo_dropout.surprisal(on.sampler_logp_NC, on.mask_NC).cpu()
-        adv_N, keep_N = on.adv_N.detach().cpu().clone(), torch.ones(len(on), dtype=torch.bool)
+        adv_N = on.adv_N.detach().cpu().clone()  # the groups' decisions are taken in Python, row by row
+        keep_N = torch.ones(len(on), dtype=torch.bool)  # cpu: beside adv_N and s_N, read back into Python
         for prompt in sorted(set(on.prompt_N.tolist())):
             rows = (on.prompt_N.cpu() == prompt).nonzero().squeeze(-1)
             keep_G = grpo_dropout.keep_mask(adv_N[rows], s_N[rows])
