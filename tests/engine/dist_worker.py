@@ -59,10 +59,12 @@ UNEVEN = {
                      likelihood={"name": "left_to_right", "group": 1}, algo={"advantage": "std", "beta": 0.04},
                      inner_iterations=2, eval_every=2, eval_prompts=3),
 }
-# JustGRPO's recipe back-propagated in pieces (dllm_rl/data_parallel.py, `pieces`): one row and at most 5 of its 16
-# forwards per backward pass, the gradient accumulated over a minibatch's passes; the ranks hold different rows, so
-# their counts of pieces and of forwards per piece differ before they agree
-UNEVEN["pieces"] = dict(UNEVEN["justgrpo"], micro_batch_rows=1, micro_batch_forwards=5)
+# JustGRPO's recipe with the solver's rows cut to the 16-token window (so that they are kept), whole, and
+# back-propagated in pieces (dllm_rl/data_parallel.py, `pieces`): one row and at most 5 of its 16 forwards per
+# backward pass, the gradient accumulated over a minibatch's passes; the ranks hold different rows, so their counts
+# of pieces and of forwards per piece differ before they agree
+UNEVEN["pieces_whole"] = dict(UNEVEN["justgrpo"], mixing={**SETTINGS["mixing"], "length_rule": "truncate"})
+UNEVEN["pieces"] = dict(UNEVEN["pieces_whole"], micro_batch_rows=1, micro_batch_forwards=5)
 
 
 # Runs whose ranks hold uneven numbers of rows (dllm_rl/curation/): SERA gives each prompt its own group size from

@@ -159,16 +159,16 @@ def test_a_minibatch_in_pieces_agrees_with_one_process_whole_at_zero2_and_zero3(
     single, two = root / "pieces_single", root / "pieces_two"
     single.mkdir()
     two.mkdir()
-    dist_worker.run_uneven(single, str(root / "model"), "justgrpo", 0)
+    dist_worker.run_uneven(single, str(root / "model"), "pieces_whole", 0)
     launched(two, str(root / "model"), "uneven", "pieces", "2", "3")
-    base = metrics(single / "justgrpo_zero0")
+    base = metrics(single / "pieces_whole_zero0")
     assert all(m["policy/updates"] == 2 * 2 for m in base[1:]) and any(m.get("external/rows", 0) for m in base)
     for stage in (2, 3):
         run = metrics(two / f"pieces_zero{stage}")
         for key in ("loss/policy", "loss/kl", "policy/grad_norm", "policy/clip_frac", "reward/on_policy", "eval/reward"):
             got, want = ([m[key] for m in lines if key in m] for lines in (run, base))
             assert len(want) == 2 and got == pytest.approx(want, rel=1e-5, abs=1e-7), (stage, key)
-        assert_weights_agree(weights(two / f"pieces_zero{stage}", 2), weights(single / "justgrpo_zero0", 2), stage)
+        assert_weights_agree(weights(two / f"pieces_zero{stage}", 2), weights(single / "pieces_whole_zero0", 2), stage)
 
 
 @pytest.mark.parametrize("name", ["sera", "ds_darts"])
@@ -193,12 +193,13 @@ def test_ranks_holding_uneven_rows_agree_with_one_process_at_zero_0_2_3(runs, na
         assert [a[0] + b[0] for a, b in zip(*held)] == [rows for rows, _ in whole]  # together: one process's rows
         if name == "ds_darts":  # dropped groups leave the ranks uneven (SERA's ranks balance by rollouts)
             assert any(a[0] != b[0] for a, b in zip(*held)), held
+            assert sum(m.get("curation/dropout_dropped", 0) for m in base) > 0  # GRPODropout dropped rollouts
         run = metrics(two / f"ragged_{name}_zero{stage}")
         for key in ("loss/policy", "loss/kl", "policy/grad_norm", "reward/on_policy", "len/on_policy",
                     "rollouts/on_policy", "reward/zero_std_groups", "curation/rollouts_generated",
                     "curation/dropout_dropped"):
-            assert [m.get(key) for m in run] == pytest.approx([m.get(key) for m in base], rel=1e-5, abs=1e-7), \
-                (stage, key)
+            assert [m.get(key, 0.0) for m in run] == pytest.approx([m.get(key, 0.0) for m in base], rel=1e-5,
+                                                                  abs=1e-7), (stage, key)
         assert_weights_agree(weights(two / f"ragged_{name}_zero{stage}", 2), weights(single / f"ragged_{name}_zero0", 2),
                              (name, stage))
 
