@@ -4,8 +4,10 @@ back-propagated whole, and in pieces of rows and forwards (`micro_batch_rows`, `
 Each arm runs `configs/experiment/tiny_justgrpo.yaml` (64 forwards with gradients per row, minibatches of 8 rows)
 for the same steps and seed in a process of its own, and reports that process's peak resident memory (the update
 holds every forward's activations until its backward unless it is cut into pieces), the update phase's seconds per
-step (mean over the steps after the first) and the loss. The arms make the same updates (within float noise), so
-the loss columns agree. Prints a table with the ratios to the whole-minibatch arm and writes JSON.
+step (mean over the steps after the first) and the loss. The arms make the same updates up to rounding (bf16
+forwards round differently in batches of other shapes), so the first step's losses agree to about 1%, and later
+steps, whose rollouts come from weights that rounding moved apart, differ more. Prints a table with the ratios
+to the whole-minibatch arm and writes JSON.
 
     python scripts/bench_pieces.py                       # docs/bench_pieces.json
 """
