@@ -139,7 +139,7 @@ def score_old_and_reference(batch: StepBatch, policy, reference, iterations: int
     with torch.no_grad(), autocast, eval_mode(policy.model):
         for rows in batch.rows.values():
             calls = 1 if not micro_rows else -(-len(rows) // micro_rows)
-            calls = dp.agreed([calls])[0] if dp is not None else calls
+            calls = dp.agreed([calls])[0] if dp is not None and micro_rows else calls
             replayed = replay and rows.source == "on_policy" and rows.version == batch.step
             rows.old_logp = [None if reuse_current else rows.sampler_logp_NC.float() if replayed
                              else rows.score_all(policy, it, lockstep, calls) for it in range(iterations)]

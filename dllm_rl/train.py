@@ -347,7 +347,8 @@ def run_steps(run: Run) -> dict[str, float]:
                 batch, metrics = run_step(run, step, timer)
                 timer.current = "evaluation, logging and checkpoint"
                 record_step(run, step, batch, metrics)
-            if dp.any(stop.requested):  # every rank stops after the same step
+                stopping = dp.any(stop.requested)  # a collective too: a peer lost here is named like the others
+            if stopping:  # every rank stops after the same step
                 raise Interrupted(f"interrupted after step {step + 1} of {cfg.steps}; continue from its last "
                                   f"checkpoint with resume={run.run_dir}")
     return metrics
