@@ -1,7 +1,7 @@
 """The stages of one RL step, each testable alone, with a `StepBatch` of plain data flowing between them.
 
-    choose prompts -> (allocate) -> generate -> verify -> external rollouts -> advantages -> old/ref log-probs
-    -> (sampler correction) -> update -> metrics (the checkpoint is the loop's)
+    choose prompts -> (allocate) -> generate -> verify -> external rollouts -> advantages -> (reweight)
+    -> old/ref log-probs -> (sampler correction) -> update -> metrics (the checkpoint is the loop's)
 
 The stages up to "verify" are in `dllm_rl/collect.py` (with the `StepBatch`), the rest here.
 
@@ -14,6 +14,7 @@ The stages up to "verify" are in `dllm_rl/collect.py` (with the `StepBatch`), th
 | verify             | `verify`                    | every source's texts           | their rewards                       |
 | external rollouts  | `ExternalRollouts` (ERILS)  | prompts, on-policy correctness | rows["external"], external/* metrics|
 | advantages         | `assign_advantages`         | rewards                        | adv_N (and external weights)        |
+| reweight           | `Curation.reweight`         | on-policy groups, sampler logp | adv_N, loss weights (GRPODropout)   |
 | old/ref log-probs  | `score_old_and_reference`   | rows, the sampler's record     | mask seeds, old_logp, ref_logp      |
 | sampler correction | `SamplerCorrectionStage`    | on-policy rows, sampler logp   | their loss weights, correction/*    |
 | update             | `Learner.update`            | every row                      | the weights; loss and policy metrics|
