@@ -23,7 +23,6 @@ import torch
 from dllm_rl.data.task import Reward
 from dllm_rl.errors import pick, require
 from dllm_rl.likelihood.estimators import Estimator
-
 from dllm_rl.lockstep import Lockstep
 
 if TYPE_CHECKING:

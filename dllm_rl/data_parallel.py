@@ -166,7 +166,7 @@ class DataParallel:
         if rows == 0 and forwards == 0:
             return [Piece(tuple(range(len(parts))), tuple(picks), (None,) * len(parts))]
         cuts = self.agreed([math.ceil(len(r) / (rows or len(r))) if len(r) else 0 for r in picks])
-        chunks = [(p, chunk) for p, r in enumerate(picks) for chunk in torch.tensor_split(r, cuts[p])]
+        chunks = [(p, chunk) for p, r in enumerate(picks) if cuts[p] for chunk in torch.tensor_split(r, cuts[p])]
         calls = self.agreed([parts[p].estimator.logits_calls(
             None if parts[p].order_NC is None else parts[p].order_NC[chunk.to(parts[p].order_NC.device)],
             parts[p].mask_NC.shape[1]) if len(chunk) and forwards and parts[p].estimator.spanned else 0

@@ -124,3 +124,19 @@ def test_a_non_finite_piece_discards_the_gradient_accumulated_before_it(make_dll
     assert fresh.update(step_of(fresh, make_rows))["policy/updates"] == 1.0
     for a, b in zip(learner.engine.module.parameters(), fresh.engine.module.parameters()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_a_part_without_rows_in_a_minibatch_gets_no_pass(make_rows):
+    """With more minibatches than external rows, some minibatch holds none: no pass for that part (one process),
+    and the on-policy rows are cut by rows and by spans of forwards."""
+    on = make_rows("on_policy", 3, C=5, estimator=build_estimator({"name": "left_to_right", "group": 1}))
+    ext = make_rows("external", 2, C=5, estimator=build_estimator({"name": "elbo"}))
+    dp = DataParallel(init_distributed(), 1, 3, 3)
+    pieces = dp.pieces([on, ext], [torch.tensor([2, 0]), torch.tensor([], dtype=torch.long)], rows=1, forwards=2)
+    assert [(p.parts, p.rows[0].tolist(), p.spans) for p in pieces] == \
+        [((0,), [2], ((a, a + 2),)) for a in (0, 2, 4)] + [((0,), [0], ((a, a + 2),)) for a in (0, 2, 4)]
+    assert all(p.share == pytest.approx(1 / 3) for p in pieces)
+    whole = dp.pieces([on, ext], [torch.tensor([2, 0]), torch.tensor([1])])
+    assert len(whole) == 1 and whole[0].parts == (0, 1) and whole[0].spans == (None, None)
+    ext_only = dp.pieces([on, ext], [torch.tensor([], dtype=torch.long), torch.tensor([0, 1])], rows=0, forwards=2)
+    assert [(p.parts, p.rows[0].tolist(), p.spans) for p in ext_only] == [((1,), [0, 1], (None,))]  # no spans: ELBO
