@@ -27,8 +27,8 @@ from dllm_rl.errors import ConfigError, require
 from dllm_rl.optim import LR_SCHEDULES, lr_factor
 
 # What a resumed run may change because nothing a step computes reads it (`steps`: see `steps_change_nothing`).
-RESUME_SAFE_KEYS = ("steps", "eval_every", "eval_prompts", "eval_samples", "checkpoint_every", "keep_checkpoints",
-                    "sample_every", "tensorboard", "max_bad_steps", "deepspeed.timeout_s", "trust_remote_code",
+RESUME_SAFE_KEYS = ("steps", "eval_every", "eval_prompts", "eval_samples", "eval_external_samples", "checkpoint_every",
+                    "keep_checkpoints", "sample_every", "tensorboard", "max_bad_steps", "deepspeed.timeout_s", "trust_remote_code",
                     "external.trust_remote_code",  # consent, given again by whoever resumes (cli.consent_given)
                     "logger.name", "logger.project", "logger.entity", "logger.run_name", "logger.tags", "logger.mode")
 # What no resume can change, not even with allow_changes: the shape of the trained adapter, whose weights and

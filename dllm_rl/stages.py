@@ -50,12 +50,13 @@ from dllm_rl.algo.correction import SamplerCorrection, correction_weights, rollo
 from dllm_rl.algo.losses import aggregation_units, grpo_loss
 from dllm_rl.buffer import Piece, Rows, loss_inputs
 from dllm_rl.collect import StepBatch, eval_mode
-from dllm_rl.data.task import Task
+from dllm_rl.data.task import Task, draw_examples
 from dllm_rl.data_parallel import DataParallel
 from dllm_rl.engine import Engine
 from dllm_rl.errors import RunStopped
 from dllm_rl.evaluate import evaluate_task
 from dllm_rl.external.mixer import local_only
+from dllm_rl.external.provenance import split_pass1
 from dllm_rl.likelihood.estimators import build_estimator
 from dllm_rl.lockstep import Lockstep
 from dllm_rl.seeds import derive_seed
@@ -363,8 +364,9 @@ def sample_rows(batch: StepBatch) -> list[dict[str, Any]]:
 @dataclass
 class HeldOut:
     """Greedy pass@1 on held-out prompts; with `samples` = k, also k samples at the rollout temperature
-    (sampled pass@1, best-of-k). Every rank evaluates the same prompts (identical results): ZeRO-3 needs all
-    ranks in the parameter gather."""
+    (sampled pass@1, best-of-k); with `external_solved` (uid -> whether the external policy solves it,
+    dllm_rl/external/provenance.py), greedy pass@1 on each side too. Every rank evaluates the same prompts
+    (identical results): ZeRO-3 needs all ranks in the parameter gather."""
 
     greedy: Any  # TextGenerator at temperature 0
     sampler: Any  # the rollout TextGenerator
@@ -374,14 +376,21 @@ class HeldOut:
     samples: int
     seed: int
     inference: Callable[[], ContextManager]
+    external_solved: dict[str, bool] | None = None
+
+    def examples(self) -> list:
+        """The held-out prompts, as `evaluate_task` draws them."""
+        return draw_examples(self.task, "test", self.prompts, self.seed, "eval_prompts")
 
     def __call__(self) -> dict[str, float]:
         common = dict(num_prompts=self.prompts, prompts_key="eval_prompts", batch_size=64, seed=self.seed, tokenizer=self.tokenizer,
                       print_fn=lambda *_: None)
         with self.inference():
-            summary, _ = evaluate_task(self.greedy, self.task, **common)
+            summary, records = evaluate_task(self.greedy, self.task, **common)
             out = {"eval/pass@1": summary["pass@1"], "eval/reward": summary["reward_mean"],
                    "eval/format_rate": summary["format_rate"], "eval/len": summary["completion_tokens_mean"]}
+            if self.external_solved is not None:
+                out.update(split_pass1(records, self.external_solved))
             if self.samples > 0:
                 sampled, _ = evaluate_task(self.sampler, self.task, num_samples=self.samples, **common)
                 out.update({"eval/sampled_pass@1": sampled["pass@1"],

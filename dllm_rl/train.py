@@ -56,6 +56,7 @@ from dllm_rl.engine import (Engine, World, broadcast_object, deepspeed_config, i
                             partitioned_loading, peers_answering, roll_call, stop_together)
 from dllm_rl.errors import ConfigError, Interrupted, require
 from dllm_rl.external.mixer import build_mixer
+from dllm_rl.external.provenance import describe as describe_provenance, external_solves
 from dllm_rl.likelihood.estimators import build_estimator, replays_rollout
 from dllm_rl.optim import lr_factor
 from dllm_rl.policy.adapters import MODEL_TYPES, check_cache_kind, hidden_size_of, load_policy, read_config
@@ -290,6 +291,11 @@ def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned,
                       reuse_current, mixer.config.minibatch_mix if mixer is not None else "stratified", cfg.seed, dp,
                       autocast, cfg.ref_sync_every, cfg.max_bad_steps, bad_steps=state["bad_steps"],
                       micro_rows=cfg.micro_batch_rows, micro_forwards=cfg.micro_batch_forwards)
+    held_out = HeldOut(greedy, sampler, task, tokenizer, cfg.eval_prompts, cfg.eval_samples, cfg.seed, generating)
+    if mixer is not None and cfg.eval_every > 0 and cfg.eval_external_samples > 0:
+        held_out.external_solved = external_solves(mixer.source, task, held_out.examples(), cfg.eval_external_samples,
+                                                   cfg.seed)
+        print_fn(describe_provenance(held_out.external_solved, mixer.source.name, cfg.eval_external_samples))
     return Run(
         cfg, task, dp, run_dir, tracker, learned, state,
         prompts=prompts,
@@ -306,7 +312,7 @@ def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned,
                                 micro_rows=cfg.micro_batch_rows),
         correct=SamplerCorrectionStage(correction, policy, generating) if correction.on else None,
         learner=learner,
-        held_out=HeldOut(greedy, sampler, task, tokenizer, cfg.eval_prompts, cfg.eval_samples, cfg.seed, generating),
+        held_out=held_out,
         mixer=mixer, print_fn=print_fn)
 
 
@@ -456,7 +462,8 @@ def run_summary(run_dir: Path, window: int = 10) -> str:
     if len(external):
         lines.append(f"  external rows per step: {series(run, 'external/rows').mean():.1f}, "
                      f"their mean reward {external.mean():.3f}")
-    for key in [k for k in evals.columns if k in ("eval/pass@1", "eval/sampled_pass@1") or k.startswith("eval/best_of")]:
+    for key in [k for k in evals.columns if k in ("eval/pass@1", "eval/sampled_pass@1")
+                or k.startswith(("eval/best_of", "eval/pass1_external_"))]:
         values = " -> ".join(f"{v:.3f}" for v in evals[key])
         lines.append(f"  held-out {key[5:]} at steps {', '.join(map(str, evals['step']))}: {values}")
     return "\n".join(lines)

@@ -80,6 +80,7 @@ class TrainConfig:
     eval_every: int = 10
     eval_prompts: int = 64
     eval_samples: int = 0
+    eval_external_samples: int = 4
     checkpoint_every: int = 10
     keep_checkpoints: int = 2
     sample_every: int = 5
@@ -124,6 +125,7 @@ class TrainConfig:
             ("grad_clip", self.grad_clip > 0, "> 0"), ("train_pool", self.train_pool >= 1, ">= 1"),
             ("eval_every", self.eval_every >= 0, ">= 0 (0 = never)"), ("eval_prompts", self.eval_prompts >= 1, ">= 1"),
             ("eval_samples", self.eval_samples >= 0, ">= 0"),
+            ("eval_external_samples", self.eval_external_samples >= 0, ">= 0 (0 = no provenance split)"),
             ("checkpoint_every", self.checkpoint_every >= 0, ">= 0 (0 = never)"),
             ("keep_checkpoints", self.keep_checkpoints >= 0, ">= 0 (0 = all)"), ("sample_every", self.sample_every >= 0, ">= 0"),
             ("ref_sync_every", self.ref_sync_every >= 0, ">= 0 (0 = never)"), ("max_bad_steps", self.max_bad_steps >= 1, ">= 1"),

@@ -23,6 +23,7 @@ TRAIN = [
     ("bf16=maybe", "bf16"), ("seed=abc", "seed='abc': expected int"), ("train_pool=0", "train_pool must be >= 1"),
     ("eval_every=-1", "eval_every must be >= 0"), ("eval_prompts=0", "eval_prompts must be >= 1"),
     ("eval_samples=-1", "eval_samples must be >= 0"), ("checkpoint_every=-1", "checkpoint_every must be >= 0"),
+    ("eval_external_samples=-1", "eval_external_samples must be >= 0 (0 = no provenance split)"),
     ("keep_checkpoints=-1", "keep_checkpoints must be >= 0"), ("sample_every=-2", "sample_every must be >= 0"),
     ("ref_sync_every=-1", "ref_sync_every must be >= 0"), ("max_bad_steps=0", "max_bad_steps must be >= 1"),
     ("tensorboard=3", "tensorboard=3: expected bool"), ("trust_remote_code=maybe", "trust_remote_code='maybe'"),
