@@ -48,6 +48,7 @@ class Rows:
     estimator: Estimator  # what these rows are scored with
     behaviour_logp_N: torch.Tensor | None = None  # log mu(y|x) of the policy that wrote them, where known
     sampler_logp_NC: torch.Tensor | None = None  # the sampler's log-prob of each token as it committed it (dLLM)
+    entropy_NC: torch.Tensor | None = None  # the entropy of the distribution it committed each token from (dLLM)
     adv_N: torch.Tensor | None = None
     weight_N: torch.Tensor | None = None  # loss weight per row (None = 1)
     shaped: bool = False  # LUFFY policy shaping instead of the clipped surrogate
@@ -87,6 +88,7 @@ class Rows:
             order_NC=take(self.order_NC), prompt_N=take(self.prompt_N),
             rewards=[self.rewards[i] for i in picked] if self.rewards else [], texts=[self.texts[i] for i in picked],
             behaviour_logp_N=take(self.behaviour_logp_N), sampler_logp_NC=take(self.sampler_logp_NC),
+            entropy_NC=take(self.entropy_NC),
             adv_N=take(self.adv_N), weight_N=take(self.weight_N), prompt_id_N=take(self.prompt_id_N), rollout_N=take(self.rollout_N))
 
     @property
@@ -143,8 +145,8 @@ def concat_rows(parts: list[Rows], pad_id: int) -> Rows:
         attention_mask_NL=torch.cat([widen(p.attention_mask_NL, p, 0) for p in parts]), prompt_length=P,
         mask_NC=cat("mask_NC"), order_NC=cat("order_NC"), prompt_N=cat("prompt_N"),
         rewards=[r for p in parts for r in p.rewards], texts=[t for p in parts for t in p.texts],
-        behaviour_logp_N=cat("behaviour_logp_N"), sampler_logp_NC=cat("sampler_logp_NC"), adv_N=cat("adv_N"),
-        weight_N=cat("weight_N"), prompt_id_N=cat("prompt_id_N"), rollout_N=cat("rollout_N"))
+        behaviour_logp_N=cat("behaviour_logp_N"), sampler_logp_NC=cat("sampler_logp_NC"), entropy_NC=cat("entropy_NC"),
+        adv_N=cat("adv_N"), weight_N=cat("weight_N"), prompt_id_N=cat("prompt_id_N"), rollout_N=cat("rollout_N"))
 
 
 def order_within_groups(group_N: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
+from dllm_rl.algo.auxiliary import AuxRows
 from dllm_rl.buffer import Rows, concat_rows
 from dllm_rl.curation import Curation, GroupRecord
 from dllm_rl.data.task import Example, Reward, Task, render_prompt, train_examples_up_to
@@ -44,6 +45,8 @@ class StepBatch:
     metrics: dict[str, float] = field(default_factory=dict)  # what the stages measured (external/*, ...)
     visits: list[GroupRecord] = field(default_factory=list)  # every group this rank generated (curation learns)
     darts_changed: dict[int, bool] = field(default_factory=dict)  # prompt id -> DARTS's extras changed its group
+    # auxiliary SFT rows by kind (echo clips): a kind a strategy makes is here on every rank, None where it has none
+    auxiliary: dict[str, AuxRows | None] = field(default_factory=dict)
 
     def real(self, source: str) -> Rows | None:
         """A source's rows, or None where this rank has none (or only a data-parallel stand-in)."""
@@ -153,7 +156,7 @@ class InProcessRollouts:
         return Rows("on_policy", samples.sequences_BL, samples.attention_mask_BL, samples.prompt_length,
                     completion_mask(samples.completion_BC, eos_id), samples.unmask_step_BC, prompt_N, [],
                     completion_texts(tokenizer, samples.completion_BC, eos_id), version=batch.step,
-                    estimator=self.estimator, sampler_logp_NC=samples.logp_BC,
+                    estimator=self.estimator, sampler_logp_NC=samples.logp_BC, entropy_NC=samples.entropy_BC,
                     prompt_id_N=torch.tensor([q for _, q, _ in keys], device=device),
                     rollout_N=torch.tensor([g for _, _, g in keys], device=device))
 
@@ -167,7 +170,8 @@ class InProcessRollouts:
         return Rows("on_policy", torch.cat([ids_P, window_C], 1), torch.cat([mask_P, torch.ones_like(window_C)], 1),
                     ids_P.shape[1], zeros, torch.zeros_like(window_C), torch.zeros(1, dtype=torch.long,
                     device=ids_P.device), [Reward(0.0, False, False, "stand-in")], [""], version=batch.step,
-                    estimator=self.estimator, sampler_logp_NC=zeros.clone(), adv_N=zeros[:, 0].clone(),
+                    estimator=self.estimator, sampler_logp_NC=zeros.clone(), entropy_NC=zeros.clone(),
+                    adv_N=zeros[:, 0].clone(),
                     weight_N=zeros[:, 0].clone(), inert=True,
                     prompt_id_N=torch.full((1,), -1, device=ids_P.device), rollout_N=torch.zeros(1, dtype=torch.long,
                     device=ids_P.device))

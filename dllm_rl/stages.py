@@ -14,10 +14,10 @@ The stages up to "verify" are in `dllm_rl/collect.py` (with the `StepBatch`), th
 | verify             | `verify`                    | every source's texts           | their rewards                       |
 | external rollouts  | `ExternalRollouts` (ERILS)  | prompts, on-policy correctness | rows["external"], external/* metrics|
 | advantages         | `assign_advantages`         | rewards                        | adv_N (and external weights)        |
-| reweight           | `Curation.reweight`         | on-policy groups, sampler logp | adv_N, loss weights (GRPODropout)   |
+| reweight           | `Curation.reweight`         | groups, the sampler's record   | adv_N, weights, auxiliary SFT rows  |
 | old/ref log-probs  | `score_old_and_reference`   | rows, the sampler's record     | mask seeds, old_logp, ref_logp      |
 | sampler correction | `SamplerCorrectionStage`    | on-policy rows, sampler logp   | their loss weights, correction/*    |
-| update             | `Learner.update`            | every row                      | the weights; loss and policy metrics|
+| update             | `Learner.update`            | every row, the auxiliary rows  | the weights; loss and policy metrics|
 | metrics            | `step_metrics`              | the batch                      | the step's metrics (over ranks)     |
 
 `CollectRollouts` runs choose prompts through verify, in rounds where dynamic sampling asks for more, and
@@ -45,7 +45,9 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
+from dllm_rl.algo import auxiliary
 from dllm_rl.algo.advantages import group_advantages
+from dllm_rl.algo.auxiliary import AuxRows
 from dllm_rl.algo.correction import SamplerCorrection, correction_weights, rollout_log_ratio
 from dllm_rl.algo.losses import aggregation_units, grpo_loss
 from dllm_rl.buffer import Piece, Rows, loss_inputs
@@ -64,7 +66,8 @@ from dllm_rl.seeds import derive_seed
 # Metrics that count rows or prompts: added up over data-parallel ranks (every other metric is averaged).
 COUNTS = tuple(f"external/{k}" for k in ("candidates", "too_long", "truncated", "unrepresentable", "incorrect",
                                          "prompts", "rows")) + ("rollouts/on_policy", "curation/dropout_dropped",
-                                                                "curation/dropout_positive")
+                                                                "curation/dropout_positive") + tuple(
+    f"curation/{kind}_{what}" for kind in ("echo", "echo_external") for what in ("clips", "tokens"))
 
 
 # ------------------------------------------------------------------------------------------ external, advantages
@@ -214,6 +217,11 @@ class Learner:
         informative = self.dp.any(any(bool(has_signal(p).any()) for p in parts))
         aggregation = self.loss_options.get("aggregation", "token")
         losses: list[dict[str, float]] = []
+        # the auxiliary SFT rows (echo clips) join the step's first update, or make one alone
+        aux_parts = self.auxiliary_parts(batch)
+        aux_measured = {f"loss/{name}": 0.0 for name, _, _ in aux_parts}
+        aux = [functools.partial(self.aux_loss, rows, units, parts[0].ids_NL, aux_measured)
+               for _, rows, units in aux_parts]
         for it in range(self.iterations) if informative else []:
             # cpu: the minibatch plan is the same on every device (see dllm_rl/device.py)
             shuffle = torch.Generator(device="cpu").manual_seed(derive_seed(self.seed, "minibatch", batch.step, it))
@@ -223,21 +231,56 @@ class Learner:
                 pieces = self.dp.pieces(parts, picks, self.micro_rows, self.micro_forwards)
                 measured: list[tuple[dict[str, float], float, float]] = []
                 makers = [functools.partial(self.piece_loss, parts, piece, it, units, measured) for piece in pieces]
-                update = self.engine.update(makers, poison=lambda: Lockstep.stand_in_forwards(
-                    self.policy, parts[0].ids_NL, 1, scale=float("nan")))
-                if not update.applied:
-                    self.bad_update(batch.step, update.skipped)
-                    continue
-                self.bad_steps = 0
-                losses.append({**merge_piece_metrics(measured), "policy/grad_norm": update.grad_norm})
+                grad_norm = self.apply(makers + aux, parts[0].ids_NL, batch.step)
+                aux = []
+                if grad_norm is not None:
+                    losses.append({**merge_piece_metrics(measured), "policy/grad_norm": grad_norm})
+        if aux:
+            grad_norm = self.apply(aux, parts[0].ids_NL, batch.step)
+            if grad_norm is not None:
+                losses.append({"policy/grad_norm": grad_norm})
         with warnings.catch_warnings():  # a step without an update still advances the schedule, on purpose
             warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
             self.scheduler.step()
         if self.reference is not None and self.ref_sync_every > 0 and (batch.step + 1) % self.ref_sync_every == 0:
             self.engine.sync_reference(self.reference.model)
         out = {"policy/updates": float(len(losses)), "policy/lr": self.scheduler.get_last_lr()[0],
-               "policy/no_signal": float(not informative)}
+               "policy/no_signal": float(not informative and not aux_parts), **aux_measured}
         return {**out, **{k: sum(m[k] for m in losses) / len(losses) for k in (losses[0] if losses else {})}}
+
+    def apply(self, makers: list, template_NL: torch.Tensor, step: int) -> float | None:
+        """One engine update from the makers of its backward passes: its gradient norm, or None if it was skipped."""
+        update = self.engine.update(makers, poison=lambda: Lockstep.stand_in_forwards(
+            self.policy, template_NL, 1, scale=float("nan")))
+        if not update.applied:
+            self.bad_update(step, update.skipped)
+            return None
+        self.bad_steps = 0
+        return update.grad_norm
+
+    def auxiliary_parts(self, batch: StepBatch) -> list[tuple[str, AuxRows | None, float]]:
+        """Each kind of auxiliary rows that some rank has, with its normaliser over ranks (the same kinds, in the
+        same order, on every rank: every rank makes their backward passes)."""
+        out = []
+        for name in sorted(batch.auxiliary):
+            rows = batch.auxiliary[name]
+            local = 0.0 if rows is None else auxiliary.units(rows, auxiliary.noised(rows, self.policy.mask_id)[1])
+            total = self.dp.total(local)
+            if total > 0:
+                out.append((name, rows, total))
+        return out
+
+    def aux_loss(self, rows: AuxRows | None, units: float, template_NL: torch.Tensor,
+                 measured: dict[str, float]) -> torch.Tensor:
+        """One kind of auxiliary rows' backward pass: its weighted SFT loss, this rank's share (`units` over every
+        rank's rows); a rank without rows of the kind makes a stand-in forward (ZeRO-3's forwards are collective).
+        Its unweighted loss is logged as loss/<name> (ranks without rows report 0: the mean over ranks is the loss)."""
+        if rows is None:
+            return Lockstep.stand_in_forwards(self.policy, template_NL, 1, scale=0.0)
+        with self.autocast:
+            loss = auxiliary.auxiliary_loss(self.policy, rows, units, self.dp.size)
+        measured[f"loss/{rows.name}"] = float(loss.detach())
+        return loss * rows.weight
 
     def bad_update(self, step: int, why: str) -> None:
         self.bad_steps += 1
@@ -343,7 +386,11 @@ def step_metrics(batch: StepBatch, learner_metrics: dict[str, float], perf: dict
                         "perf/tokens_per_s": float(on.lengths_N.sum()) / max(perf.get("perf/rollout_s", 0.0), 1e-9)})
         weights.update({"reward/accuracy": len(rewards), "reward/format": len(rewards),
                         "reward/zero_std_groups": len(flat)})
-    return dp.mean_metrics(metrics, summed=COUNTS, weights=weights)
+    out = dp.mean_metrics(metrics, summed=COUNTS, weights=weights)
+    for kind in ("echo", "echo_external"):  # echo clips: their mean length over every rank's clips
+        if out.get(f"curation/{kind}_clips"):
+            out[f"curation/{kind}_clip_len"] = out[f"curation/{kind}_tokens"] / out[f"curation/{kind}_clips"]
+    return out
 
 
 def sample_rows(batch: StepBatch) -> list[dict[str, Any]]:

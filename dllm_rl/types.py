@@ -32,6 +32,8 @@ class Samples:
     # a denoising sampler's log-probability of each committed token under the policy (temperature 1, the whole
     # vocabulary) at the state it was committed from: the `ordered` estimator's value (rollout/sampler.py)
     logp_BC: torch.Tensor | None = None
+    # and the entropy (nats) of the distribution each token was committed from (temperature 1, mask token excluded)
+    entropy_BC: torch.Tensor | None = None
 
     @property
     def completion_BC(self) -> torch.Tensor:

@@ -9,9 +9,11 @@ Strategies, each a small module of pure decision functions plus its state here (
 | `darts`            | DARTS, arXiv 2605.30859    | G + delta rollouts, keep the best G         | before / after generating |
 | `dynamic_sampling` | DAPO, arXiv 2503.14476     | drop flat groups, draw more prompts         | after verifying      |
 | `grpo_dropout`     | GRPODropout, arXiv 2610.11854 | drop entropy-lowering positive rollouts  | after advantages     |
+| `echo`             | EchoRL                     | all-correct groups -> auxiliary SFT clips   | after advantages     |
 
 They compose where their decisions do: `greso` with any other (it only removes prompts), `darts` with
-`dynamic_sampling`, `grpo_dropout` with any (it acts on the advantages, after the others have chosen the rows). `sera` decides the group sizes itself, so `sera` with `darts` (which sets them too) or with
+`dynamic_sampling`, `grpo_dropout` with any (it acts on the advantages, after the others have chosen the rows), `echo` with any but
+`dynamic_sampling` (which drops the all-correct groups echo learns from, refused by name). `sera` decides the group sizes itself, so `sera` with `darts` (which sets them too) or with
 `dynamic_sampling` (which refills the step with groups of G) is refused by name. Choose one with `curation=greso`,
 several with `curation=[greso,dynamic_sampling]`; options as `curation.greso.p_start=0.3`.
 
@@ -24,14 +26,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from dllm_rl.curation.strategies import (Curation, Darts, DynamicSampling, Greso, GrpoDropout, Sera, GroupRecord,
-                                         STRATEGIES)
+from dllm_rl.curation.strategies import (Curation, Darts, DynamicSampling, Echo, Greso, GrpoDropout, Sera,
+                                         GroupRecord, STRATEGIES)
 from dllm_rl.errors import ConfigError, require
 
 # pairs that decide the same thing
 EXCLUSIVE = {frozenset(("sera", "darts")): "both set each prompt's group size",
              frozenset(("sera", "dynamic_sampling")): "dynamic sampling refills the step with groups of group_size, "
-                                                      "which undoes SERA's allocation"}
+                                                      "which undoes SERA's allocation",
+             frozenset(("echo", "dynamic_sampling")): "dynamic sampling drops the all-correct groups echo learns from"}
 
 
 def check_curation(options: dict[str, Any] | None) -> list[str]:
@@ -58,5 +61,5 @@ def build_curation(options: dict[str, Any] | None, *, group_size: int, prompts_p
     return Curation(strategies, group_size=group_size, prompts_per_step=prompts_per_step)
 
 
-__all__ = ["Curation", "Darts", "DynamicSampling", "Greso", "GroupRecord", "GrpoDropout", "Sera", "STRATEGIES", "build_curation",
+__all__ = ["Curation", "Darts", "DynamicSampling", "Echo", "Greso", "GroupRecord", "GrpoDropout", "Sera", "STRATEGIES", "build_curation",
            "check_curation"]

@@ -4,7 +4,8 @@
 - `allocate(step, drawn, counts)`: rollouts per drawn prompt (0 = none), before generating; the same on every
   rank (a function of the drawn prompts, the state and seeds);
 - `select(batch)`: this rank's freshly generated rows (whole groups), before verifying: rows to keep, weights;
-- `reweight(batch)`: this rank's rows (whole groups) once their advantages are set: advantages, loss weights;
+- `reweight(batch)`: this rank's rows (whole groups) once their advantages are set: advantages, loss weights,
+  auxiliary SFT rows (`StepBatch.auxiliary`);
 - `observe(records)`: every rank's groups of the step (`GroupRecord`, gathered, in prompt id order);
 - `state_dict()` / `load_state_dict()`: plain values, saved with every checkpoint.
 Dynamic sampling is not a hook of one batch but the loop around them (`more`, `finish`).
@@ -17,7 +18,9 @@ from typing import Any
 
 import torch
 
-from dllm_rl.curation import darts, dynamic_sampling, greso, grpo_dropout, sera
+from dllm_rl.algo.auxiliary import AuxRows
+from dllm_rl.buffer import Rows
+from dllm_rl.curation import darts, dynamic_sampling, echo, greso, grpo_dropout, sera
 from dllm_rl.errors import check_kwargs, check_types, require
 from dllm_rl.seeds import derive_seed
 
@@ -318,7 +321,57 @@ class GrpoDropout(Strategy):
         on.weight_N = keep if on.weight_N is None else on.weight_N * keep
 
 
-STRATEGIES: dict[str, type[Strategy]] = {s.name: s for s in (Greso, DynamicSampling, Sera, Darts, GrpoDropout)}
+class Echo(Strategy):
+    """EchoRL's echo clips: a prefix of a rollout of each all-correct group, up to its hardest denoising step,
+    becomes an auxiliary masked-diffusion SFT row (dllm_rl/curation/echo.py); with `external`, a correct external
+    row of a group whose on-policy rollouts all failed does too, whole."""
+
+    name, config_class = "echo", echo.EchoConfig
+
+    def __init__(self, config: echo.EchoConfig, *, group_size: int, seed: int, pool_size: int,
+                 external: bool = False):
+        self.config, self.seed = config, seed
+
+    def reweight(self, batch) -> None:
+        on, ext = batch.real("on_policy"), batch.real("external")
+        picked: dict[str, tuple[Rows | None, list[tuple[int, torch.Tensor]]]] = {"echo": (on, []),
+                                                                              "echo_external": (ext, [])}
+        if on is not None:
+            require(on.order_NC is not None and on.entropy_NC is not None, "curation=echo reads each rollout's "
+                    "denoising steps and the entropy of its tokens from the sampler's record (Rows.order_NC, "
+                    "Rows.entropy_NC), and these on-policy rows have none")
+            for n in echo.all_correct_groups(on.prompt_N, [r.correct for r in on.rewards], on.rollout_N).values():
+                clip_C = echo.clip_mask(on.order_NC[n], on.entropy_NC[n], on.mask_NC[n])
+                if clip_C.any():
+                    picked["echo"][1].append((n, clip_C))
+        if self.config.external and ext is not None:
+            failed = {p for p, ok in group_outcomes(on).items() if not ok} if on is not None else set()
+            first: dict[int, int] = {}  # prompt -> its correct external row of the lowest rollout index
+            for n, (p, r, k) in enumerate(zip(ext.prompt_N.tolist(), ext.rewards, ext.rollout_N.tolist())):
+                if p in failed and r.correct and (p not in first or k < int(ext.rollout_N[first[p]])):
+                    first[p] = n
+            picked["echo_external"][1].extend((n, ext.mask_NC[n] != 0) for _, n in sorted(first.items()))
+        for name, (rows, clips) in picked.items():
+            batch.auxiliary[name] = self.aux_rows(name, rows, clips, batch.step) if clips else None
+            batch.metrics[f"curation/{name}_clips"] = float(len(clips))
+            batch.metrics[f"curation/{name}_tokens"] = float(sum(int(c.sum()) for _, c in clips))
+
+    def aux_rows(self, name: str, rows: Rows, clips: list[tuple[int, torch.Tensor]], step: int) -> AuxRows:
+        idx = torch.tensor([n for n, _ in clips], device=rows.ids_NL.device)
+        seeds = [derive_seed(self.seed, name, step, *rows.keys[n]) for n, _ in clips]
+        return AuxRows(name, rows.ids_NL[idx], rows.attention_mask_NL[idx], rows.prompt_length,
+                       torch.stack([c for _, c in clips]), seeds, self.config.weight, self.config.weighting)
+
+
+def group_outcomes(rows: Rows) -> dict[int, bool]:
+    """prompt -> whether any of its rows is correct."""
+    out: dict[int, bool] = {}
+    for p, r in zip(rows.prompt_N.tolist(), rows.rewards):
+        out[p] = out.get(p, False) or r.correct
+    return out
+
+
+STRATEGIES: dict[str, type[Strategy]] = {s.name: s for s in (Greso, DynamicSampling, Sera, Darts, GrpoDropout, Echo)}
 
 
 # ------------------------------------------------------------------------------------------ the step's view

@@ -24,7 +24,9 @@ How it departs from the reference:
   scores the token by (the tokens of earlier steps revealed, the rest masked), whatever temperature it sampled
   at. With the exact sampler (no block cache, or one refreshed every step; no classifier-free guidance, whose
   logits are not the policy's) the recorded log-probs are the ordered likelihood of the rollout, which the trainer
-  then takes as the old policy's instead of scoring it again (`likelihood.estimators.replays_rollout`). A step
+  then takes as the old policy's instead of scoring it again (`likelihood.estimators.replays_rollout`). And the
+  entropy of the distribution each token was committed from (temperature 1, the mask token excluded: the one the
+  confidence is taken from), which EchoRL's step entropy averages (dllm_rl/curation/echo.py). A step
   counts for a row when the row still had masked tokens in the block being decoded: with parallel decoding a row
   that finished its block early waits for the others without counting, so its steps (what the `ordered`
   estimator scores by) do not depend on the rows batched with it.
@@ -219,7 +221,7 @@ def denoise(
     is_prompt_BL = torch.zeros_like(x_BL, dtype=torch.bool)
     is_prompt_BL[:, :P] = prompt_mask_BP.bool()
     unmask_step_BC = torch.full((B, gen_length), -1, dtype=torch.long, device=device)
-    confidence_BC, logp_BC = (torch.zeros((B, gen_length), dtype=torch.float32, device=device) for _ in range(2))
+    confidence_BC, logp_BC, entropy_BC = torch.zeros((3, B, gen_length), dtype=torch.float32, device=device)
     step = 0
     row_step_B = torch.zeros(B, dtype=torch.long, device=device)  # each row's own count of its decoding steps
     block_cache = None if cache == "none" else BlockCache()
@@ -243,17 +245,17 @@ def denoise(
                                                       block_cache, span)
             x0_BC = gumbel_argmax(logits_BCV, temperature, generators, active_B=active_B)
             prob_BC = F.softmax(logits_BCV.double(), dim=-1).gather(-1, x0_BC[..., None]).squeeze(-1)
-            step_logp_BC = policy_logp(logits_BCV, mask_logit_BC, x0_BC)
             chosen_BC = step_commits(prob_BC, eligible_BC, transfer_BS[:, i : i + 1], random_first and step == 0,
                                      threshold, factor, remasking, generators)
             x_BL[:, P:] = torch.where(chosen_BC, x0_BC, window_BC)
             unmask_step_BC = torch.where(chosen_BC, row_step_B[:, None], unmask_step_BC)
             row_step_B += active_B.long()
             confidence_BC[chosen_BC] = prob_BC[chosen_BC].float()
-            logp_BC[chosen_BC] = step_logp_BC[chosen_BC].float()
+            logp_BC[chosen_BC] = policy_logp(logits_BCV, mask_logit_BC, x0_BC)[chosen_BC].float()
+            entropy_BC[chosen_BC] = entropy(logits_BCV[chosen_BC]).float()
             step += 1
     return Samples(x_BL, attention_mask_BL, P, unmask_step_BC, confidence_BC, forwards=step * (2 if cfg_scale else 1),
-                   logp_BC=logp_BC)
+                   logp_BC=logp_BC, entropy_BC=entropy_BC)
 
 
 def check_generators(generators, B: int, temperature: float, remasking: str, random_first: bool) -> None:
@@ -291,6 +293,12 @@ def policy_logp(logits_BCV: torch.Tensor, mask_logit_BC: torch.Tensor, token_BC:
     logits64 = logits_BCV.double()
     log_norm_BC = torch.logaddexp(logits64.logsumexp(-1), mask_logit_BC.double())
     return logits64.gather(-1, token_BC[..., None]).squeeze(-1) - log_norm_BC
+
+
+def entropy(logits_KV: torch.Tensor) -> torch.Tensor:
+    """entropy_K of softmax(logits) per row, in nats (float64; -inf logits, the excluded mask token, count 0)."""
+    logp_KV = F.log_softmax(logits_KV.double(), dim=-1)
+    return -(logp_KV.exp() * logp_KV.nan_to_num(neginf=0.0)).sum(-1)
 
 
 def step_commits(prob_BC: torch.Tensor, eligible_BC: torch.Tensor, transfer_B1: torch.Tensor, random: bool,

@@ -20,7 +20,7 @@ COMMON = dict(prompts_per_step=4, group_size=3, minibatch_size=6, train_pool=6, 
               print_fn=lambda *_: None)
 CURATIONS = {
     "greso_ds_darts": {"greso": {"p_start": 0.3}, "dynamic_sampling": {"max_extra": 12}, "darts": {"delta": 1}},
-    "sera": {"sera": {"n_min": 1}, "grpo_dropout": {}},
+    "sera": {"sera": {"n_min": 1}, "grpo_dropout": {}, "echo": {"weight": 0.5}},
 }
 
 
@@ -51,6 +51,9 @@ def test_a_resumed_curated_run_repeats_the_uninterrupted_one(saved_model, tmp_pa
         # GRPODropout on top: it dropped some positive rollouts, never more than there were
         assert 0 < sum(m["curation/dropout_dropped"] for m in metrics) <= sum(m["curation/dropout_positive"]
                                                                              for m in metrics)
+        # and echo clips from the all-correct groups, learnt with their own loss
+        clipped = [m for m in metrics if m["curation/echo_clips"] > 0]
+        assert clipped and all(m["loss/echo"] > 0 and 0 < m["curation/echo_clip_len"] <= 16 for m in clipped)
     else:  # dynamic sampling: no flat group trains, and a step never spends more than B * G + max_extra
         assert all(m["reward/zero_std_groups"] == 0 for m in metrics if m["rollouts/on_policy"] > 0)
         assert all(m["curation/rollouts_generated"] <= 12 + 12 for m in metrics)

@@ -176,6 +176,8 @@ def test_curation_names_and_combinations_are_checked():
                                                                                                  "dynamic_sampling"]
     with pytest.raises(ConfigError, match=r"curation=\[darts,sera\] do not compose"):
         check_curation({"sera": {}, "darts": {}})
+    with pytest.raises(ConfigError, match=r"curation=\[dynamic_sampling,echo\] do not compose: dynamic sampling drops"):
+        check_curation({"echo": {}, "dynamic_sampling": {}})
     with pytest.raises(ConfigError, match=r"curation=\[dynamic_sampling,sera\] do not compose"):
         check_curation({"sera": None, "dynamic_sampling": None})
     with pytest.raises(ConfigError, match="curation='grezo': expected none or any of greso"):
