@@ -67,7 +67,8 @@ from dllm_rl.seeds import derive_seed
 COUNTS = tuple(f"external/{k}" for k in ("candidates", "too_long", "truncated", "unrepresentable", "incorrect",
                                          "prompts", "rows")) + ("rollouts/on_policy", "curation/dropout_dropped",
                                                                 "curation/dropout_positive") + tuple(
-    f"curation/{kind}_{what}" for kind in ("echo", "echo_external") for what in ("clips", "tokens"))
+    f"curation/{kind}_{what}" for kind in ("echo", "echo_external") for what in ("clips", "tokens")) + (
+    "curation/hindsight_rows", "curation/hindsight_failed")
 
 
 # ------------------------------------------------------------------------------------------ external, advantages

@@ -275,7 +275,8 @@ def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned,
     if mixer is not None:
         mixer.check_source(prompts.examples, print_fn)
     curation = build_curation(cfg.curation, group_size=cfg.group_size, prompts_per_step=cfg.prompts_per_step,
-                              seed=cfg.seed, pool_size=len(prompts.examples), external=mixer is not None)
+                              seed=cfg.seed, pool_size=len(prompts.examples), external=mixer is not None,
+                              task=task, tokenizer=tokenizer)
     curation.load_state_dict(state["curation"])
     generating = lambda: inference(learned.net, engine, autocast)  # noqa: E731
     sampler = TextGenerator(policy, tokenizer, **cfg.sampler)

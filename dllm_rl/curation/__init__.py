@@ -10,10 +10,11 @@ Strategies, each a small module of pure decision functions plus its state here (
 | `dynamic_sampling` | DAPO, arXiv 2503.14476     | drop flat groups, draw more prompts         | after verifying      |
 | `grpo_dropout`     | GRPODropout, arXiv 2610.11854 | drop entropy-lowering positive rollouts  | after advantages     |
 | `echo`             | EchoRL                     | all-correct groups -> auxiliary SFT clips   | after advantages     |
+| `hindsight`        | hindsight relabelling      | failed rollouts -> SFT rows of the problem they solve | after advantages |
 
 They compose where their decisions do: `greso` with any other (it only removes prompts), `darts` with
 `dynamic_sampling`, `grpo_dropout` with any (it acts on the advantages, after the others have chosen the rows), `echo` with any but
-`dynamic_sampling` (which drops the all-correct groups echo learns from, refused by name). `sera` decides the group sizes itself, so `sera` with `darts` (which sets them too) or with
+`dynamic_sampling` (which drops the all-correct groups echo learns from, refused by name), `hindsight` with any. `sera` decides the group sizes itself, so `sera` with `darts` (which sets them too) or with
 `dynamic_sampling` (which refills the step with groups of G) is refused by name. Choose one with `curation=greso`,
 several with `curation=[greso,dynamic_sampling]`; options as `curation.greso.p_start=0.3`.
 
@@ -26,8 +27,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from dllm_rl.curation.strategies import (Curation, Darts, DynamicSampling, Echo, Greso, GrpoDropout, Sera,
-                                         GroupRecord, STRATEGIES)
+from dllm_rl.curation.strategies import (Curation, Darts, DynamicSampling, Echo, Greso, GrpoDropout, Hindsight,
+                                         Sera, GroupRecord, STRATEGIES)
 from dllm_rl.errors import ConfigError, require
 
 # pairs that decide the same thing
@@ -53,13 +54,15 @@ def check_curation(options: dict[str, Any] | None) -> list[str]:
 
 
 def build_curation(options: dict[str, Any] | None, *, group_size: int, prompts_per_step: int, seed: int,
-                   pool_size: int, external: bool = False) -> Curation:
-    """The run's `Curation` (no strategy: every prompt gets group_size rollouts, as without curation)."""
+                   pool_size: int, external: bool = False, task=None, tokenizer=None) -> Curation:
+    """The run's `Curation` (no strategy: every prompt gets group_size rollouts, as without curation). `task` and
+    `tokenizer` are for the strategies that make rows of new prompts (hindsight)."""
     names = check_curation(options)
     strategies = [STRATEGIES[n].build(dict((options or {})[n] or {}), group_size=group_size, seed=seed,
-                                      pool_size=pool_size, external=external) for n in names]
+                                      pool_size=pool_size, external=external, task=task, tokenizer=tokenizer)
+                  for n in names]
     return Curation(strategies, group_size=group_size, prompts_per_step=prompts_per_step)
 
 
-__all__ = ["Curation", "Darts", "DynamicSampling", "Echo", "Greso", "GroupRecord", "GrpoDropout", "Sera", "STRATEGIES", "build_curation",
+__all__ = ["Curation", "Darts", "DynamicSampling", "Echo", "Greso", "GroupRecord", "GrpoDropout", "Hindsight", "Sera", "STRATEGIES", "build_curation",
            "check_curation"]

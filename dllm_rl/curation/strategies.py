@@ -13,6 +13,7 @@ Dynamic sampling is not a hook of one batch but the loop around them (`more`, `f
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,9 @@ import torch
 
 from dllm_rl.algo.auxiliary import AuxRows
 from dllm_rl.buffer import Rows
-from dllm_rl.curation import darts, dynamic_sampling, echo, greso, grpo_dropout, sera
+from dllm_rl.curation import darts, dynamic_sampling, echo, greso, grpo_dropout, hindsight, sera
+from dllm_rl.data.task import render_prompt
+from dllm_rl.rollout.sampler import left_pad
 from dllm_rl.errors import check_kwargs, check_types, require
 from dllm_rl.seeds import derive_seed
 
@@ -53,7 +56,10 @@ class Strategy:
 
     @classmethod
     def build(cls, options: dict[str, Any], **context) -> Strategy:
-        return cls(cls.check(options), **context)
+        """The strategy from its options and the run's context (group_size, seed, pool_size, external, task,
+        tokenizer), of which it takes what its `__init__` names."""
+        wanted = inspect.signature(cls.__init__).parameters
+        return cls(cls.check(options), **{k: v for k, v in context.items() if k in wanted})
 
     def allocate(self, step: int, drawn: list, counts: list[int]) -> list[int]:
         return counts
@@ -363,6 +369,47 @@ class Echo(Strategy):
                        torch.stack([c for _, c in clips]), seeds, self.config.weight, self.config.weighting)
 
 
+class Hindsight(Strategy):
+    """Failed on-policy rollouts that exactly solve another problem the task could pose become auxiliary SFT rows
+    of that problem (dllm_rl/curation/hindsight.py)."""
+
+    name, config_class = "hindsight", hindsight.HindsightConfig
+
+    def __init__(self, config: hindsight.HindsightConfig, *, group_size: int, seed: int, pool_size: int,
+                 external: bool = False, task=None, tokenizer=None):
+        hindsight.check_task(task)
+        require(tokenizer is not None, "curation=hindsight renders relabelled prompts: it needs the dLLM's tokenizer")
+        self.config, self.seed, self.task, self.tokenizer = config, seed, task, tokenizer
+
+    def reweight(self, batch) -> None:
+        on = batch.real("on_policy")
+        found: list[tuple[int, str]] = []  # (row, relabelled prompt text)
+        per_prompt: dict[int, int] = {}
+        order = [] if on is None else sorted(range(len(on)), key=lambda n: on.keys[n])
+        for n in order:
+            b = int(on.prompt_N[n])
+            if on.rewards[n].correct or per_prompt.get(b, 0) >= self.config.per_prompt:
+                continue
+            other = hindsight.relabelled(self.task, on.texts[n], batch.examples[b])
+            if other is not None:
+                per_prompt[b] = per_prompt.get(b, 0) + 1
+                found.append((n, render_prompt(self.task.prompt(other), self.tokenizer)))
+        batch.auxiliary["hindsight"] = self.aux_rows(on, found, batch.step) if found else None
+        batch.metrics["curation/hindsight_rows"] = float(len(found))
+        batch.metrics["curation/hindsight_failed"] = float(0 if on is None else sum(not r.correct for r in on.rewards))
+
+    def aux_rows(self, on: Rows, found: list[tuple[int, str]], step: int) -> AuxRows:
+        """The relabelled prompts, left-padded, before the rollouts' own windows; the counted tokens are the targets."""
+        device = on.ids_NL.device
+        idx = torch.tensor([n for n, _ in found], device=device)
+        encoded = [self.tokenizer(text, add_special_tokens=False)["input_ids"] for _, text in found]
+        ids_NP, mask_NP = left_pad(encoded, self.tokenizer.pad_token_id, device)
+        window_NC = on.ids_NL[idx, on.prompt_length:]
+        seeds = [derive_seed(self.seed, "hindsight", step, *on.keys[n]) for n, _ in found]
+        return AuxRows("hindsight", torch.cat([ids_NP, window_NC], 1), torch.cat([mask_NP, torch.ones_like(window_NC)], 1),
+                       ids_NP.shape[1], on.mask_NC[idx] != 0, seeds, self.config.weight, self.config.weighting)
+
+
 def group_outcomes(rows: Rows) -> dict[int, bool]:
     """prompt -> whether any of its rows is correct."""
     out: dict[int, bool] = {}
@@ -371,7 +418,8 @@ def group_outcomes(rows: Rows) -> dict[int, bool]:
     return out
 
 
-STRATEGIES: dict[str, type[Strategy]] = {s.name: s for s in (Greso, DynamicSampling, Sera, Darts, GrpoDropout, Echo)}
+STRATEGIES: dict[str, type[Strategy]] = {s.name: s for s in (Greso, DynamicSampling, Sera, Darts, GrpoDropout, Echo,
+                                                             Hindsight)}
 
 
 # ------------------------------------------------------------------------------------------ the step's view

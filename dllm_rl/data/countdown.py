@@ -328,6 +328,31 @@ class Countdown(GeneratedTask):
             return d1_countdown(completion, example.meta["numbers"], example.meta["target"])
         return countdown_reward(completion, example.meta["numbers"], example.meta["target"], self.format_weight)
 
+    def relabel(self, completion: str, example: Example) -> Example | None:
+        """Hindsight: the problem `completion` solves instead, if it is one this task could pose: its answer is
+        an expression over exactly the given numbers whose value v is an integer target in [min_target,
+        max_target] other than the asked one, and (numbers, v) is a train-split problem. None otherwise. The
+        caller verifies the relabelled pair with `reward`."""
+        answer, _ = extract_tag(completion)
+        if answer is None:
+            return None
+        numbers = example.meta["numbers"]
+        try:
+            tree = parse_expression(answer)
+            if sorted(literals(tree)) != sorted(numbers):
+                return None
+            value = evaluate(tree)
+        except (ExpressionError, RecursionError):
+            return None
+        if value.denominator != 1 or not self.min_target <= value <= self.max_target or value == example.meta["target"]:
+            return None
+        target = int(value)
+        uid = f"{sorted(numbers)}->{target}"
+        if not self.in_train_split(uid):
+            return None
+        return Example(self.name, uid, self.question(numbers, target), to_text(tree),
+                       {"numbers": numbers, "target": target, "relabelled_from": example.uid})
+
     def solve(self, example: Example) -> Solution | None:
         numbers, target = example.meta["numbers"], example.meta["target"]
         if self.solver_style == "aligned":

@@ -187,6 +187,24 @@ class Sudoku(GeneratedTask):
             return d1_sudoku(completion, example.meta["puzzle"], example.answer)
         return sudoku_reward(completion, example.meta["puzzle"], self.format_weight, self.partial_credit)
 
+    def relabel(self, completion: str, example: Example) -> Example | None:
+        """Hindsight: the puzzle `completion` solves instead: its answer is a complete valid grid that contradicts
+        some clues, and the puzzle with those clues blanked has at most `blanks[1]` blanks (as many as this task
+        poses) and is a train-split puzzle. None otherwise. Such a puzzle always has several solutions (the
+        original one still fits its clues), unlike the puzzles the task poses; the reward accepts any valid grid
+        that keeps the clues, so the grid is a correct answer to it. The caller verifies the pair with `reward`."""
+        answer, _ = extract_tag(completion)
+        digits = "" if answer is None else "".join(answer.split())
+        if len(digits) != CELLS or any(c not in "1234" for c in digits) or not is_valid_grid([int(c) for c in digits]):
+            return None
+        clues = example.meta["puzzle"]
+        puzzle = "".join("0" if c != "0" and c != d else c for c, d in zip(clues, digits))
+        blanks = puzzle.count("0")
+        if puzzle == clues or blanks > self.blanks[1] or not self.in_train_split(puzzle):
+            return None
+        return Example(self.name, puzzle, f"Puzzle: {puzzle}", digits, {"puzzle": puzzle,
+                                                                       "relabelled_from": example.uid})
+
     def solve(self, example: Example) -> Solution | None:
         solved = solve_steps(example.meta["puzzle"])
         return None if solved is None else Solution(*solved)

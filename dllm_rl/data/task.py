@@ -196,6 +196,11 @@ class GeneratedTask:
     def prompt(self, example: Example) -> str:
         return self.compact_prompt(example) if self.prompt_style == "compact" else self.d1_prompt(example)
 
+    def in_train_split(self, uid: str) -> bool:
+        """Whether a problem of key `uid` belongs to the train split (a relabelled problem must: hindsight
+        never trains on a held-out one)."""
+        return not in_test_split(self.name, uid, self.test_fraction)
+
     def draw(self, rng: random.Random) -> Example | None:
         """One random example, or None for an attempt that missed the task's constraints (see sample_unique)."""
         raise NotImplementedError
