@@ -49,6 +49,7 @@ class Rows:
     behaviour_logp_N: torch.Tensor | None = None  # log mu(y|x) of the policy that wrote them, where known
     sampler_logp_NC: torch.Tensor | None = None  # the sampler's log-prob of each token as it committed it (dLLM)
     entropy_NC: torch.Tensor | None = None  # the entropy of the distribution it committed each token from (dLLM)
+    clip_counts_N2: torch.Tensor | None = None  # per row: (clipped, counted) tokens over the step's updates
     adv_N: torch.Tensor | None = None
     weight_N: torch.Tensor | None = None  # loss weight per row (None = 1)
     shaped: bool = False  # LUFFY policy shaping instead of the clipped surrogate

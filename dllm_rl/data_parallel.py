@@ -144,6 +144,9 @@ class DataParallel:
                 rows[source] = mine = stand_in(rows["on_policy"], source, estimator)
             if mine is not None:
                 mine.shard = global_positions(every, self.world.rank, source)
+        ordered = {source: rows[source] for source in estimators if source in rows}  # one part order on every rank
+        rows.clear()
+        rows.update(ordered)
 
     def minibatch_plan(self, parts: Sequence[Rows], mix: str, generator: torch.Generator) -> list[list[torch.Tensor]]:
         """For each minibatch of an inner iteration, the rows of each part (by local index) this rank trains on.

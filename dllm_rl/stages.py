@@ -52,10 +52,10 @@ from dllm_rl.algo.correction import SamplerCorrection, correction_weights, rollo
 from dllm_rl.algo.losses import aggregation_units, grpo_loss
 from dllm_rl.buffer import Piece, Rows, loss_inputs
 from dllm_rl.collect import StepBatch, eval_mode
-from dllm_rl.data.task import Task, draw_examples
+from dllm_rl.data.task import Task, draw_examples, render_prompt
 from dllm_rl.data_parallel import DataParallel
 from dllm_rl.engine import Engine
-from dllm_rl.errors import RunStopped
+from dllm_rl.errors import RunStopped, require
 from dllm_rl.evaluate import evaluate_task
 from dllm_rl.external.mixer import local_only
 from dllm_rl.external.provenance import split_pass1
@@ -137,6 +137,8 @@ def score_old_and_reference(batch: StepBatch, policy, reference, iterations: int
     about that many rows per forward (as many calls on every rank). Scored in eval mode:
     dropout (LoRA's) would make them noisy and draw from the global RNG."""
     for source, rows in batch.rows.items():
+        if source == "replay" and rows.mask_seeds:  # replayed rows keep the seeds they were first scored with
+            continue
         tag = () if source == "on_policy" else (source,)
         rows.mask_seeds = [[0] * len(rows) if rows.inert else
                            [derive_seed(seed, "mask", batch.step, it, *tag, q, g) for q, g in rows.keys]
@@ -170,17 +172,64 @@ class SamplerCorrectionStage:
     inference: Callable[[], ContextManager]
 
     def __call__(self, batch: StepBatch) -> None:
-        on = batch.rows["on_policy"]
-        with torch.no_grad(), self.inference():
-            learner_NC = ORDERED.logp(self.policy, on.ids_NL, on.attention_mask_NL, on.prompt_length,
-                                      order_NC=on.order_NC)
-        weight_N, metrics = correction_weights(rollout_log_ratio(learner_NC, on.sampler_logp_NC, on.mask_NC),
-                                               self.config)
-        on.weight_N = weight_N if on.weight_N is None else on.weight_N * weight_N
-        batch.metrics.update(metrics)
+        for source in ("on_policy", "replay"):  # replayed rows (the bandit's) were sampled by an older policy
+            on = batch.rows.get(source) if source == "on_policy" else batch.real(source)
+            if on is None:
+                continue
+            with torch.no_grad(), self.inference():
+                learner_NC = ORDERED.logp(self.policy, on.ids_NL, on.attention_mask_NL, on.prompt_length,
+                                          order_NC=on.order_NC)
+            weight_N, metrics = correction_weights(rollout_log_ratio(learner_NC, on.sampler_logp_NC, on.mask_NC),
+                                                   self.config)
+            on.weight_N = weight_N if on.weight_N is None else on.weight_N * weight_N
+            if source == "on_policy":
+                batch.metrics.update(metrics)
 
 
 ORDERED = build_estimator({"name": "ordered", "group": 1})
+CLEAN_PROMPT = build_estimator({"name": "mean_field", "prompt_mask_prob": 0.0})  # deterministic: the whole window masked
+
+
+@dataclass
+class HeldOutProbe:
+    """A cheap held-out metric (the contextual bandit's reward, dllm_rl/curation/bandit.py): the policy's mean
+    per-token log-likelihood of verified-correct completions of held-out prompts, by the mean-field estimator (one
+    forward over the rows, the whole window masked, the prompt clean), in the rollouts' inference context. The same rows and value on every rank."""
+
+    policy: Any
+    ids_NL: torch.Tensor
+    attention_mask_NL: torch.Tensor
+    prompt_length: int
+    mask_NC: torch.Tensor
+    inference: Callable[[], ContextManager]
+
+    def __call__(self) -> float:
+        with torch.no_grad(), self.inference():
+            logp_NC = CLEAN_PROMPT.logp(self.policy, self.ids_NL, self.attention_mask_NL, self.prompt_length,
+                                        seeds_N=[0] * len(self.ids_NL))
+        return float((logp_NC.double() * self.mask_NC).sum() / self.mask_NC.sum())
+
+
+def build_probe(task: Task, tokenizer, policy, window: int, count: int, seed: int,
+                inference: Callable[[], ContextManager]) -> HeldOutProbe:
+    """The probe over the first `count` held-out prompts with a worked solution (the task's solver, or a file
+    task's reference) that fits the window with its EOS."""
+    from dllm_rl.data.task import render_completion
+    from dllm_rl.sft import SFTExample, completion_tokens, diffusion_batch, worked_solution
+
+    pairs = []
+    for ex in draw_examples(task, "test", count, seed, "curation.bandit.probe_prompts"):
+        solution = worked_solution(task, ex)
+        if solution is not None:
+            pair = SFTExample(render_prompt(task.prompt(ex), tokenizer), render_completion(solution, task.prompt_style))
+            if completion_tokens(tokenizer, pair) < window:
+                pairs.append(pair)
+    require(pairs, f"curation=bandit: none of {count} held-out {task.name} prompts has a worked solution that fits "
+            f"the window of {window} tokens (the probe, its reward, needs some)")
+    ids_NL, attention_NL, P = diffusion_batch(tokenizer, pairs, window, device=policy.device)
+    lengths_N1 = torch.tensor([[completion_tokens(tokenizer, p) + 1] for p in pairs], device=policy.device)
+    mask_NC = (torch.arange(window, device=policy.device)[None] < lengths_N1).double()
+    return HeldOutProbe(policy, ids_NL, attention_NL, P, mask_NC, inference)
 
 
 # ------------------------------------------------------------------------------------------ update
@@ -305,9 +354,25 @@ class Learner:
             (part,), (rows,) = [parts[p] for p in piece.parts], piece.rows
             whole_N = level_mask_and_weights(part, rows)[0].sum(-1) if len(rows) else inputs["mask_NC"].sum(-1)
             inputs["weights_N"] = inputs["weights_N"] * inputs["mask_NC"].sum(-1) / whole_N.clamp(min=1)
-        loss, metrics = grpo_loss(**inputs, **self.loss_options, global_units=units, ranks=self.dp.size)
+        per_row: dict[str, torch.Tensor] = {}
+        loss, metrics = grpo_loss(**inputs, **self.loss_options, global_units=units, ranks=self.dp.size,
+                                  per_row=per_row)
         measured.append((metrics, float((inputs["mask_NC"] != 0).sum()), len(inputs["adv_N"]) * piece.share))
+        add_clip_counts([parts[p] for p in piece.parts], list(piece.rows), per_row["clip_counts_N2"], self.dp.pads)
         return loss
+
+def add_clip_counts(parts: list[Rows], picks: list[torch.Tensor], counts_N2: torch.Tensor, pads: bool) -> None:
+    """Each row's clipped and counted tokens of one backward pass into its part's `clip_counts_N2` (the rows of
+    `buffer.loss_inputs`, in its order: a part without rows there counts one stand-in row where the run pads)."""
+    start = 0
+    for part, rows in zip(parts, picks):
+        taken = len(rows) or (1 if pads else 0)
+        if len(rows):
+            if part.clip_counts_N2 is None:
+                part.clip_counts_N2 = torch.zeros(len(part), 2, device=counts_N2.device)
+            part.clip_counts_N2[rows.to(counts_N2.device)] += counts_N2[start:start + taken].float()
+        start += taken
+
 
 def level_mask_and_weights(part: Rows, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(level_mask, weights_N) of `rows` of `part` as the loss will see them, before any forward: the tokens it
@@ -374,7 +439,7 @@ def step_metrics(batch: StepBatch, learner_metrics: dict[str, float], perf: dict
     on, ext = batch.real("on_policy"), batch.real("external")
     metrics, weights = {**batch.metrics, **learner_metrics, **perf}, {}
     metrics["rollouts/on_policy"] = float(len(on)) if on is not None else 0.0
-    for rows in (on, ext):
+    for rows in (on, ext, batch.real("replay")):
         if rows is not None:
             part = source_metrics(rows)
             metrics.update(part)

@@ -65,10 +65,10 @@ from dllm_rl.precision import resolve_bf16
 from dllm_rl.seeds import derive_seed
 from dllm_rl.resume import decide_resume, read_run_config, record_resume, with_absolute_paths, write_run_config
 from dllm_rl.rollout.generate import TextGenerator
-from dllm_rl.curation import Curation, build_curation
+from dllm_rl.curation import Bandit, Curation, build_curation, check_curation
 from dllm_rl.collect import CollectRollouts, InProcessRollouts, PromptSource, StepBatch, inference, observe_curation
 from dllm_rl.stages import (ExternalRollouts, HeldOut, Learner, SamplerCorrectionStage, assign_advantages,
-                            sample_rows, score_old_and_reference, step_metrics)
+                            build_probe, sample_rows, score_old_and_reference, step_metrics)
 from dllm_rl.tracking import NullTracker, PhaseTimer, Tracker, console_line, run_header
 from dllm_rl.train_config import TrainConfig, engine_options, split_algo
 
@@ -260,6 +260,19 @@ def setup(task: Task, cfg: TrainConfig, print_fn, saved_config: dict | None, all
                         autocast, print_fn)
 
 
+def curation_of(cfg: TrainConfig, task, tokenizer, policy, estimator, dp, generating, pool_size: int, external: bool,
+                window: int):
+    """The run's curation strategies, with what those that make rows need: the task and tokenizer (hindsight), and
+    for the bandit the data-parallel group, a held-out probe, the on-policy estimator and the pad id."""
+    probe = None
+    if "bandit" in check_curation(cfg.curation):
+        config = Bandit.check(dict(cfg.curation["bandit"] or {}))
+        probe = build_probe(task, tokenizer, policy, window, config.probe_prompts, cfg.seed, generating)
+    return build_curation(cfg.curation, group_size=cfg.group_size, prompts_per_step=cfg.prompts_per_step,
+                          seed=cfg.seed, pool_size=pool_size, external=external, task=task, tokenizer=tokenizer,
+                          dp=dp, probe=probe, estimator=estimator, pad_id=tokenizer.pad_token_id)
+
+
 def held_out_settings(sampler: dict[str, Any]) -> dict[str, Any]:
     """The sampler of held-out pass@1: the rollouts' window and schedule, decoded exactly and greedily whatever
     the rollouts use (fast decoding, a temperature floor), so runs with fast and exact rollouts compare."""
@@ -274,12 +287,11 @@ def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned,
     prompts = PromptSource(task, tokenizer, dp, cfg.prompts_per_step, cfg.train_pool, cfg.seed, state["data_position"])
     if mixer is not None:
         mixer.check_source(prompts.examples, print_fn)
-    curation = build_curation(cfg.curation, group_size=cfg.group_size, prompts_per_step=cfg.prompts_per_step,
-                              seed=cfg.seed, pool_size=len(prompts.examples), external=mixer is not None,
-                              task=task, tokenizer=tokenizer)
-    curation.load_state_dict(state["curation"])
     generating = lambda: inference(learned.net, engine, autocast)  # noqa: E731
     sampler = TextGenerator(policy, tokenizer, **cfg.sampler)
+    curation = curation_of(cfg, task, tokenizer, policy, estimator, dp, generating, len(prompts.examples),
+                           mixer is not None, sampler.gen_length)
+    curation.load_state_dict(state["curation"])
     greedy = TextGenerator(policy, tokenizer, **held_out_settings(cfg.sampler))
     external = None if mixer is None else ExternalRollouts(
         mixer, task, tokenizer, window=sampler.gen_length, eos_id=policy.eos_id,
@@ -305,7 +317,8 @@ def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned,
         curation=curation,
         external=external,
         advantages=functools.partial(assign_advantages, advantage=advantage, mixer=mixer, dp=dp),
-        estimators={"on_policy": estimator, **({"external": mixer.estimator} if mixer is not None else {})},
+        estimators={"on_policy": estimator, **({"external": mixer.estimator} if mixer is not None else {}),
+                    **({"replay": estimator} if curation.replays else {})},
         score=functools.partial(score_old_and_reference, policy=policy, reference=learned.reference,
                                 iterations=cfg.inner_iterations, reuse_current=reuse_current, seed=cfg.seed,
                                 autocast=autocast, mixer=mixer, dp=dp,
@@ -379,6 +392,7 @@ def run_step(run: Run, step: int, timer: PhaseTimer) -> tuple[StepBatch, dict[st
             run.correct(batch)
     with timer("update"):
         update_metrics = run.learner.update(batch)
+        run.curation.after_update(batch)  # the bandit's feedback and replay buffer
     return batch, step_metrics(batch, update_metrics, timer.metrics(), dp)
 
 

@@ -148,3 +148,28 @@ class DigitAny(DigitPass):
 
     name = "digit_any"
     threshold = 0.05
+
+
+class DigitRelabel(DigitPass):
+    """DigitPass whose problem names its threshold: a failed completion with some digits exactly solves the problem
+    whose threshold is half its share (a task that can relabel every near miss, for the plumbing of a run)."""
+
+    name = "digit_relabel"
+
+    def prompt(self, ex) -> str:
+        return super().prompt(ex) + f" (over {ex.meta.get('threshold', 0.2):g})"
+
+    def reward(self, completion: str, ex):
+        from dllm_rl.data.task import Reward
+
+        share = sum(c.isdigit() for c in completion) / max(1, len(completion))
+        ok = share > ex.meta.get("threshold", 0.2)
+        return Reward(float(ok), ok, False, "ok")
+
+    def relabel(self, completion: str, ex):
+        share = sum(c.isdigit() for c in completion) / max(1, len(completion))
+        if share == 0:
+            return None
+        from dllm_rl.data.task import Example
+
+        return Example(self.name, f"{ex.uid}|{share / 2:.4f}", ex.question, ex.answer, {"threshold": share / 2})

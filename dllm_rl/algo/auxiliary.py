@@ -18,8 +18,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from dllm_rl.seeds import row_generators
-
 EPS = 1e-3  # the lowest masking probability (LLaDA's eps)
 
 
@@ -43,8 +41,9 @@ class AuxRows:
 def noised(rows: AuxRows, mask_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(noisy_NL, masked_NC, t_N): each target masked with its row's probability t; non-targets always masked."""
     N, C = rows.target_NC.shape
+    generators = [torch.Generator().manual_seed(int(s)) for s in rows.seeds_N]  # cpu: one per row, seeded
     # cpu: seeded draws, the same on every device
-    draws = [(g, torch.rand(1, generator=g, dtype=torch.float64)) for g in row_generators(rows.seeds_N)]
+    draws = [(g, torch.rand(1, generator=g, dtype=torch.float64)) for g in generators]
     t_N = torch.cat([EPS + (1 - EPS) * u for _, u in draws]).to(rows.ids_NL.device)
     u_NC = torch.stack([torch.rand(C, generator=g, dtype=torch.float64)  # cpu: seeded draws, as above
                         for g, _ in draws]).to(rows.ids_NL.device)

@@ -197,7 +197,7 @@ def grpo_loss(
     shaping_gamma: float = 0.1,
     global_units: float | None = None,
     ranks: int = 1,
-    objective: str = "clipped",
+    objective: str = "clipped", per_row: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GRPO's loss (arXiv 2402.03300): clipped surrogate + beta * KL per token, times a per-row weight, aggregated.
 
@@ -209,7 +209,7 @@ def grpo_loss(
     log-probs, logp_N1 with mask_N1. `global_units` and `ranks` make the loss of a data-parallel rank its share
     of the loss over all ranks' rows (see `aggregate`). `objective="pg"` replaces the clipped surrogate with the
     plain policy gradient -A * logp (SPG's update: no ratio, no clipping; the old log-probs are not read). Returns
-    (loss, metrics); loss == loss/policy + beta * loss/kl.
+    (loss, metrics); loss == loss/policy + beta * loss/kl; `per_row` gets each row's (clipped, counted) tokens.
     """
     require(objective in OBJECTIVES, f"objective={objective!r}: expected one of {list(OBJECTIVES)}")
     kl_fn = pick(KL_FNS, kl, "KL estimator")
@@ -255,5 +255,7 @@ def grpo_loss(
             torch.where(is_counted_NC, ratio_NC, torch.zeros_like(ratio_NC)).max(),
             adv_N.detach().to(ratio_NC.dtype).mean(),
         ]).tolist()  # one device sync for all metrics
-    keys = ["loss/policy", "loss/kl", "policy/clip_frac", "policy/ratio_mean", "policy/ratio_max", "policy/adv_mean"]
-    return loss, dict(zip(keys, values))
+        if per_row is not None:
+            per_row["clip_counts_N2"] = torch.stack([(clipped_NC & is_counted_NC).sum(-1), is_counted_NC.sum(-1)], -1)
+    return loss, dict(zip(["loss/policy", "loss/kl", "policy/clip_frac", "policy/ratio_mean", "policy/ratio_max",
+                           "policy/adv_mean"], values))

@@ -11,6 +11,7 @@ Strategies, each a small module of pure decision functions plus its state here (
 | `grpo_dropout`     | GRPODropout, arXiv 2610.11854 | drop entropy-lowering positive rollouts  | after advantages     |
 | `echo`             | EchoRL                     | all-correct groups -> auxiliary SFT clips   | after advantages     |
 | `hindsight`        | hindsight relabelling      | failed rollouts -> SFT rows of the problem they solve | after advantages |
+| `bandit`           | CBS (contextual bandit)    | which rows (this step's, replayed) reach the loss | after advantages, after the update |
 
 They compose where their decisions do: `greso` with any other (it only removes prompts), `darts` with
 `dynamic_sampling`, `grpo_dropout` with any (it acts on the advantages, after the others have chosen the rows), `echo` with any but
@@ -27,8 +28,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from dllm_rl.curation.strategies import (Curation, Darts, DynamicSampling, Echo, Greso, GrpoDropout, Hindsight,
-                                         Sera, GroupRecord, STRATEGIES)
+from dllm_rl.curation.base import GroupRecord
+from dllm_rl.curation.strategies import (Bandit, Curation, Darts, DynamicSampling, Echo, Greso, GrpoDropout,
+                                         Hindsight, Sera, STRATEGIES)
 from dllm_rl.errors import ConfigError, require
 
 # pairs that decide the same thing
@@ -54,15 +56,15 @@ def check_curation(options: dict[str, Any] | None) -> list[str]:
 
 
 def build_curation(options: dict[str, Any] | None, *, group_size: int, prompts_per_step: int, seed: int,
-                   pool_size: int, external: bool = False, task=None, tokenizer=None) -> Curation:
-    """The run's `Curation` (no strategy: every prompt gets group_size rollouts, as without curation). `task` and
-    `tokenizer` are for the strategies that make rows of new prompts (hindsight)."""
+                   pool_size: int, external: bool = False, **context) -> Curation:
+    """The run's `Curation` (no strategy: every prompt gets group_size rollouts, as without curation). `context`
+    holds what some strategies need and take by name: `task` and `tokenizer` (hindsight), `dp`, `probe`,
+    `estimator` and `pad_id` (bandit)."""
     names = check_curation(options)
     strategies = [STRATEGIES[n].build(dict((options or {})[n] or {}), group_size=group_size, seed=seed,
-                                      pool_size=pool_size, external=external, task=task, tokenizer=tokenizer)
-                  for n in names]
+                                      pool_size=pool_size, external=external, **context) for n in names]
     return Curation(strategies, group_size=group_size, prompts_per_step=prompts_per_step)
 
 
-__all__ = ["Curation", "Darts", "DynamicSampling", "Echo", "Greso", "GroupRecord", "GrpoDropout", "Hindsight", "Sera", "STRATEGIES", "build_curation",
+__all__ = ["Bandit", "Curation", "Darts", "DynamicSampling", "Echo", "Greso", "GroupRecord", "GrpoDropout", "Hindsight", "Sera", "STRATEGIES", "build_curation",
            "check_curation"]

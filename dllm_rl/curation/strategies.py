@@ -1,91 +1,18 @@
-"""The curation strategies' state and their place in the step (see dllm_rl/curation/__init__.py).
-
-`Curation` is what the step talks to; each strategy implements the hooks it needs:
-- `allocate(step, drawn, counts)`: rollouts per drawn prompt (0 = none), before generating; the same on every
-  rank (a function of the drawn prompts, the state and seeds);
-- `select(batch)`: this rank's freshly generated rows (whole groups), before verifying: rows to keep, weights;
-- `reweight(batch)`: this rank's rows (whole groups) once their advantages are set: advantages, loss weights,
-  auxiliary SFT rows (`StepBatch.auxiliary`);
-- `observe(records)`: every rank's groups of the step (`GroupRecord`, gathered, in prompt id order);
-- `state_dict()` / `load_state_dict()`: plain values, saved with every checkpoint.
-Dynamic sampling is not a hook of one batch but the loop around them (`more`, `finish`).
-"""
+"""The curation strategies that decide before generating (GRESO, SERA, DARTS, dynamic sampling) and `Curation`,
+the composed strategies as the step sees them (hooks: dllm_rl/curation/base.py; after the advantages:
+dllm_rl/curation/teach.py)."""
 
 from __future__ import annotations
 
-import inspect
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from dllm_rl.algo.auxiliary import AuxRows
-from dllm_rl.buffer import Rows
-from dllm_rl.curation import darts, dynamic_sampling, echo, greso, grpo_dropout, hindsight, sera
-from dllm_rl.data.task import render_prompt
-from dllm_rl.rollout.sampler import left_pad
-from dllm_rl.errors import check_kwargs, check_types, require
+from dllm_rl.curation import darts, dynamic_sampling, greso, sera
+from dllm_rl.curation.base import GroupRecord, Strategy, epoch_of
+from dllm_rl.curation.teach import Bandit, Echo, GrpoDropout, Hindsight
+from dllm_rl.errors import require
 from dllm_rl.seeds import derive_seed
-
-
-@dataclass
-class GroupRecord:
-    """One prompt's group of a step, as every rank learns about it (plain data)."""
-
-    prompt_id: int
-    example_id: int
-    rewards: list[float]
-    correct: list[bool]
-    external: int = 0  # kept external rows of the prompt (ERILS)
-    changed: bool = False  # DARTS: the extra rollouts changed the kept set
-
-
-def config_of(cls, options: dict[str, Any], name: str):
-    check_kwargs(cls, options, f"curation.{name}")
-    check_types(cls, options, f"curation.{name}")
-    return cls(**options)
-
-
-class Strategy:
-    name = ""
-    config_class: Any = None
-
-    @classmethod
-    def check(cls, options: dict[str, Any]):
-        return config_of(cls.config_class, options, cls.name)
-
-    @classmethod
-    def build(cls, options: dict[str, Any], **context) -> Strategy:
-        """The strategy from its options and the run's context (group_size, seed, pool_size, external, task,
-        tokenizer), of which it takes what its `__init__` names."""
-        wanted = inspect.signature(cls.__init__).parameters
-        return cls(cls.check(options), **{k: v for k, v in context.items() if k in wanted})
-
-    def allocate(self, step: int, drawn: list, counts: list[int]) -> list[int]:
-        return counts
-
-    def select(self, batch) -> None:
-        pass
-
-    def reweight(self, batch) -> None:
-        pass
-
-    def observe(self, records: list[GroupRecord]) -> None:
-        pass
-
-    def metrics(self) -> dict[str, float]:
-        return {}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
-
-
-def epoch_of(prompt_id: int, pool_size: int) -> int:
-    return prompt_id // pool_size
-
 
 # ------------------------------------------------------------------------------------------ GRESO
 
@@ -290,136 +217,9 @@ class DynamicSampling(Strategy):
         self.config = config
 
 
-# ------------------------------------------------------------------------------------------ GRPODropout
-
-
-class GrpoDropout(Strategy):
-    """Drop the entropy-lowering positive rollouts of each on-policy group, recentre the rest
-    (dllm_rl/curation/grpo_dropout.py)."""
-
-    name, config_class = "grpo_dropout", grpo_dropout.GrpoDropoutConfig
-
-    def __init__(self, config: grpo_dropout.GrpoDropoutConfig, *, group_size: int, seed: int, pool_size: int,
-                 external: bool = False):
-        self.config = config
-
-    def reweight(self, batch) -> None:
-        on = batch.real("on_policy")
-        if on is None:
-            batch.metrics.update({"curation/dropout_dropped": 0.0, "curation/dropout_positive": 0.0})
-            return
-        require(on.sampler_logp_NC is not None, "curation=grpo_dropout reads each rollout's surprisal from the "
-                "sampler's record (Rows.sampler_logp_NC), and these on-policy rows have none")
-        s_N = grpo_dropout.surprisal(on.sampler_logp_NC, on.mask_NC).cpu()
-        adv_N = on.adv_N.detach().cpu().clone()  # the groups' decisions are taken in Python, row by row
-        keep_N = torch.ones(len(on), dtype=torch.bool)  # cpu: beside adv_N and s_N, read back into Python
-        for prompt in sorted(set(on.prompt_N.tolist())):
-            rows = (on.prompt_N.cpu() == prompt).nonzero().squeeze(-1)
-            keep_G = grpo_dropout.keep_mask(adv_N[rows], s_N[rows])
-            if not bool(keep_G.all()):
-                adv_N[rows] = grpo_dropout.recentred(adv_N[rows], s_N[rows], keep_G)
-                keep_N[rows] = keep_G
-        # this step's counts, in this step's metrics (summed over ranks: stages.COUNTS)
-        batch.metrics.update({"curation/dropout_dropped": float((~keep_N).sum()),
-                              "curation/dropout_positive": float((on.adv_N > 0).sum())})
-        on.adv_N = adv_N.to(on.adv_N.device)
-        keep = keep_N.to(on.adv_N.device, on.adv_N.dtype)
-        on.weight_N = keep if on.weight_N is None else on.weight_N * keep
-
-
-class Echo(Strategy):
-    """EchoRL's echo clips: a prefix of a rollout of each all-correct group, up to its hardest denoising step,
-    becomes an auxiliary masked-diffusion SFT row (dllm_rl/curation/echo.py); with `external`, a correct external
-    row of a group whose on-policy rollouts all failed does too, whole."""
-
-    name, config_class = "echo", echo.EchoConfig
-
-    def __init__(self, config: echo.EchoConfig, *, group_size: int, seed: int, pool_size: int,
-                 external: bool = False):
-        self.config, self.seed = config, seed
-
-    def reweight(self, batch) -> None:
-        on, ext = batch.real("on_policy"), batch.real("external")
-        picked: dict[str, tuple[Rows | None, list[tuple[int, torch.Tensor]]]] = {"echo": (on, []),
-                                                                              "echo_external": (ext, [])}
-        if on is not None:
-            require(on.order_NC is not None and on.entropy_NC is not None, "curation=echo reads each rollout's "
-                    "denoising steps and the entropy of its tokens from the sampler's record (Rows.order_NC, "
-                    "Rows.entropy_NC), and these on-policy rows have none")
-            for n in echo.all_correct_groups(on.prompt_N, [r.correct for r in on.rewards], on.rollout_N).values():
-                clip_C = echo.clip_mask(on.order_NC[n], on.entropy_NC[n], on.mask_NC[n])
-                if clip_C.any():
-                    picked["echo"][1].append((n, clip_C))
-        if self.config.external and ext is not None:
-            failed = {p for p, ok in group_outcomes(on).items() if not ok} if on is not None else set()
-            first: dict[int, int] = {}  # prompt -> its correct external row of the lowest rollout index
-            for n, (p, r, k) in enumerate(zip(ext.prompt_N.tolist(), ext.rewards, ext.rollout_N.tolist())):
-                if p in failed and r.correct and (p not in first or k < int(ext.rollout_N[first[p]])):
-                    first[p] = n
-            picked["echo_external"][1].extend((n, ext.mask_NC[n] != 0) for _, n in sorted(first.items()))
-        for name, (rows, clips) in picked.items():
-            batch.auxiliary[name] = self.aux_rows(name, rows, clips, batch.step) if clips else None
-            batch.metrics[f"curation/{name}_clips"] = float(len(clips))
-            batch.metrics[f"curation/{name}_tokens"] = float(sum(int(c.sum()) for _, c in clips))
-
-    def aux_rows(self, name: str, rows: Rows, clips: list[tuple[int, torch.Tensor]], step: int) -> AuxRows:
-        idx = torch.tensor([n for n, _ in clips], device=rows.ids_NL.device)
-        seeds = [derive_seed(self.seed, name, step, *rows.keys[n]) for n, _ in clips]
-        return AuxRows(name, rows.ids_NL[idx], rows.attention_mask_NL[idx], rows.prompt_length,
-                       torch.stack([c for _, c in clips]), seeds, self.config.weight, self.config.weighting)
-
-
-class Hindsight(Strategy):
-    """Failed on-policy rollouts that exactly solve another problem the task could pose become auxiliary SFT rows
-    of that problem (dllm_rl/curation/hindsight.py)."""
-
-    name, config_class = "hindsight", hindsight.HindsightConfig
-
-    def __init__(self, config: hindsight.HindsightConfig, *, group_size: int, seed: int, pool_size: int,
-                 external: bool = False, task=None, tokenizer=None):
-        hindsight.check_task(task)
-        require(tokenizer is not None, "curation=hindsight renders relabelled prompts: it needs the dLLM's tokenizer")
-        self.config, self.seed, self.task, self.tokenizer = config, seed, task, tokenizer
-
-    def reweight(self, batch) -> None:
-        on = batch.real("on_policy")
-        found: list[tuple[int, str]] = []  # (row, relabelled prompt text)
-        per_prompt: dict[int, int] = {}
-        order = [] if on is None else sorted(range(len(on)), key=lambda n: on.keys[n])
-        for n in order:
-            b = int(on.prompt_N[n])
-            if on.rewards[n].correct or per_prompt.get(b, 0) >= self.config.per_prompt:
-                continue
-            other = hindsight.relabelled(self.task, on.texts[n], batch.examples[b])
-            if other is not None:
-                per_prompt[b] = per_prompt.get(b, 0) + 1
-                found.append((n, render_prompt(self.task.prompt(other), self.tokenizer)))
-        batch.auxiliary["hindsight"] = self.aux_rows(on, found, batch.step) if found else None
-        batch.metrics["curation/hindsight_rows"] = float(len(found))
-        batch.metrics["curation/hindsight_failed"] = float(0 if on is None else sum(not r.correct for r in on.rewards))
-
-    def aux_rows(self, on: Rows, found: list[tuple[int, str]], step: int) -> AuxRows:
-        """The relabelled prompts, left-padded, before the rollouts' own windows; the counted tokens are the targets."""
-        device = on.ids_NL.device
-        idx = torch.tensor([n for n, _ in found], device=device)
-        encoded = [self.tokenizer(text, add_special_tokens=False)["input_ids"] for _, text in found]
-        ids_NP, mask_NP = left_pad(encoded, self.tokenizer.pad_token_id, device)
-        window_NC = on.ids_NL[idx, on.prompt_length:]
-        seeds = [derive_seed(self.seed, "hindsight", step, *on.keys[n]) for n, _ in found]
-        return AuxRows("hindsight", torch.cat([ids_NP, window_NC], 1), torch.cat([mask_NP, torch.ones_like(window_NC)], 1),
-                       ids_NP.shape[1], on.mask_NC[idx] != 0, seeds, self.config.weight, self.config.weighting)
-
-
-def group_outcomes(rows: Rows) -> dict[int, bool]:
-    """prompt -> whether any of its rows is correct."""
-    out: dict[int, bool] = {}
-    for p, r in zip(rows.prompt_N.tolist(), rows.rewards):
-        out[p] = out.get(p, False) or r.correct
-    return out
-
 
 STRATEGIES: dict[str, type[Strategy]] = {s.name: s for s in (Greso, DynamicSampling, Sera, Darts, GrpoDropout, Echo,
-                                                             Hindsight)}
+                                                             Hindsight, Bandit)}
 
 
 # ------------------------------------------------------------------------------------------ the step's view
@@ -487,6 +287,15 @@ class Curation:
     def observe(self, records: list[GroupRecord]) -> None:
         for s in self.strategies:
             s.observe(sorted(records, key=lambda r: r.prompt_id))
+
+    def after_update(self, batch) -> None:
+        for s in self.strategies:
+            s.after_update(batch)
+
+    @property
+    def replays(self) -> bool:
+        """Whether a strategy adds replayed rows (the "replay" source) to the step."""
+        return any(isinstance(s, Bandit) for s in self.strategies)
 
     def metrics(self) -> dict[str, float]:
         """What curation did this step (the same on every rank)."""

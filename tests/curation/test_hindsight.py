@@ -12,10 +12,10 @@ from dllm_rl.curation.hindsight import relabelled
 from dllm_rl.data import build_task
 from dllm_rl.data.countdown import Countdown
 from dllm_rl.data.sudoku import all_grids
-from dllm_rl.data.task import Example, Reward, in_test_split
+from dllm_rl.data.task import Example, in_test_split
 from dllm_rl.errors import ConfigError
 from dllm_rl.train import train
-from tests.conftest import DigitPass
+from tests.conftest import DigitRelabel
 from tests.test_stages import batch_of
 
 COUNTDOWN, SUDOKU = build_task("countdown"), build_task("sudoku")
@@ -109,27 +109,6 @@ def test_failed_rollouts_become_sft_rows_of_their_relabelled_prompts(make_rows, 
     assert torch.equal(rows.ids_NL[0, rows.prompt_length:], on.ids_NL[0, on.prompt_length:])  # its own window
     assert rows.target_NC.tolist() == [[True] * 4 + [False] * 2]  # the counted tokens
     assert batch.metrics["curation/hindsight_rows"] == 1 and batch.metrics["curation/hindsight_failed"] == 2
-
-
-class DigitRelabel(DigitPass):
-    """DigitPass whose problem names its threshold: a failed completion with some digits exactly solves the problem
-    whose threshold is half its share (a task that can relabel every near miss, for the plumbing of a run)."""
-
-    name = "digit_relabel"
-
-    def prompt(self, ex) -> str:
-        return super().prompt(ex) + f" (over {ex.meta.get('threshold', 0.2):g})"
-
-    def reward(self, completion: str, ex):
-        share = sum(c.isdigit() for c in completion) / max(1, len(completion))
-        ok = share > ex.meta.get("threshold", 0.2)
-        return Reward(float(ok), ok, False, "ok")
-
-    def relabel(self, completion: str, ex):
-        share = sum(c.isdigit() for c in completion) / max(1, len(completion))
-        if share == 0:
-            return None
-        return Example(self.name, f"{ex.uid}|{share / 2:.4f}", ex.question, ex.answer, {"threshold": share / 2})
 
 
 def test_a_run_learns_from_relabelled_rows(saved_model, tmp_path):

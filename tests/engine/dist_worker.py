@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: tests.conftest
-from tests.conftest import DigitAny, DigitPass, DigitShare  # noqa: E402
+from tests.conftest import DigitAny, DigitPass, DigitRelabel, DigitShare  # noqa: E402
 
 from dllm_rl.engine import Engine, all_sum, deepspeed_config, init_distributed, partitioned_loading, shutdown
 from dllm_rl.policy.adapters import load_policy
@@ -71,13 +71,16 @@ UNEVEN["pieces"] = dict(UNEVEN["pieces_whole"], micro_batch_rows=1, micro_batch_
 # step 2 on (a pool of 4 prompts: every step is an epoch, so the posterior moves), n_min 1 allows groups of one;
 # dynamic sampling drops the groups with equal rewards and draws more prompts in rounds, and DARTS keeps 2 of
 # 2 + delta rollouts per prompt, and GRPODropout drops positive rollouts (loss weight 0) and recentres the rest;
-# echo clips (with SERA, on a reward most rollouts earn) are rows of an auxiliary loss that only some ranks hold.
+# echo clips (with SERA, on a reward most rollouts earn) are rows of an auxiliary loss that only some ranks hold; the
+# bandit's picks are global and its replayed rows spread over the ranks (with hindsight's rows beside them).
 RAGGED = {
     "sera": dict(curation={"sera": {"n_min": 1, "n_max": 8}}, train_pool=4, group_size=4, minibatch_size=8,
                  algo={"advantage": "maxrl", "beta": 0.04}),
     "ds_darts": dict(curation={"dynamic_sampling": {"max_extra": 40}, "darts": {"delta": 1}, "grpo_dropout": {}},
                      train_pool=6),
     "echo": dict(curation={"sera": {"n_min": 1, "n_max": 4}, "echo": {"weight": 0.5}}, train_pool=4, task="any"),
+    "bandit": dict(curation={"bandit": {"capacity": 6, "max_age": 2}, "hindsight": {}}, train_pool=4,
+                   task="relabel"),
 }
 
 
@@ -98,7 +101,7 @@ def run_ragged(out: Path, model: str, name: str, stage: int) -> None:
     data_parallel.DataParallel.shard_sources = recording
     try:
         options = {**SETTINGS, **RAGGED[name]}
-        task = DigitAny() if options.pop("task", None) == "any" else DigitPass()
+        task = {"any": DigitAny(), "relabel": DigitRelabel(), None: DigitPass()}[options.pop("task", None)]
         train(task, model=model, deepspeed={"stage": stage}, steps=3, run_dir=str(out / f"ragged_{name}_zero{stage}"),
               **options)
     finally:

@@ -171,7 +171,7 @@ def test_a_minibatch_in_pieces_agrees_with_one_process_whole_at_zero2_and_zero3(
         assert_weights_agree(weights(two / f"pieces_zero{stage}", 2), weights(single / "pieces_whole_zero0", 2), stage)
 
 
-@pytest.mark.parametrize("name", ["sera", "ds_darts", "echo"])
+@pytest.mark.parametrize("name", ["sera", "ds_darts", "echo", "bandit"])
 def test_ranks_holding_uneven_rows_agree_with_one_process_at_zero_0_2_3(runs, name):
     """Rollout curation leaves the ranks uneven (SERA's group sizes, dynamic sampling's dropped groups and extra
     rounds, DARTS's selection, GRPODropout's dropped rollouts): the gathered keys put every row in its single-process place, so losses, rewards
@@ -194,13 +194,18 @@ def test_ranks_holding_uneven_rows_agree_with_one_process_at_zero_0_2_3(runs, na
         if name == "ds_darts":  # dropped groups leave the ranks uneven (SERA's ranks balance by rollouts)
             assert any(a[0] != b[0] for a, b in zip(*held)), held
             assert sum(m.get("curation/dropout_dropped", 0) for m in base) > 0  # GRPODropout dropped rollouts
+        if name == "bandit":  # replayed rows and relabelled ones, on some ranks only
+            assert sum(m["curation/bandit_replayed"] for m in base) > 0
+            assert sum(m["curation/hindsight_rows"] for m in base) > 0
         if name == "echo":  # clips on some ranks only, learnt beside the GRPO loss
             assert sum(m["curation/echo_clips"] for m in base) > 0 and any(m.get("loss/echo", 0) > 0 for m in base)
         run = metrics(two / f"ragged_{name}_zero{stage}")
         for key in ("loss/policy", "loss/kl", "policy/grad_norm", "reward/on_policy", "len/on_policy",
                     "rollouts/on_policy", "reward/zero_std_groups", "curation/rollouts_generated",
                     "curation/dropout_dropped", "curation/echo_clips", "curation/echo_tokens", "loss/echo",
-                    "curation/echo_external_clips", "loss/echo_external"):
+                    "curation/echo_external_clips", "loss/echo_external", "curation/bandit_replayed",
+                    "curation/bandit_left_out", "curation/bandit_probe", "reward/replay", "curation/hindsight_rows",
+                    "loss/hindsight"):
             assert [m.get(key, 0.0) for m in run] == pytest.approx([m.get(key, 0.0) for m in base], rel=1e-5,
                                                                   abs=1e-7), (stage, key)
         assert_weights_agree(weights(two / f"ragged_{name}_zero{stage}", 2), weights(single / f"ragged_{name}_zero0", 2),
