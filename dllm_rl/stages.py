@@ -213,17 +213,18 @@ class HeldOutProbe:
 def build_probe(task: Task, tokenizer, policy, window: int, count: int, seed: int,
                 inference: Callable[[], ContextManager]) -> HeldOutProbe:
     """The probe over the first `count` held-out prompts with a worked solution (the task's solver, or a file
-    task's reference) that fits the window with its EOS."""
+    task's reference) that fits the window with its EOS: with its steps, or else the answer alone."""
     from dllm_rl.data.task import render_completion
     from dllm_rl.sft import SFTExample, completion_tokens, diffusion_batch, worked_solution
 
     pairs = []
     for ex in draw_examples(task, "test", count, seed, "curation.bandit.probe_prompts"):
         solution = worked_solution(task, ex)
-        if solution is not None:
-            pair = SFTExample(render_prompt(task.prompt(ex), tokenizer), render_completion(solution, task.prompt_style))
+        for written in [] if solution is None else [solution, type(solution)(solution.answer)]:
+            pair = SFTExample(render_prompt(task.prompt(ex), tokenizer), render_completion(written, task.prompt_style))
             if completion_tokens(tokenizer, pair) < window:
                 pairs.append(pair)
+                break
     require(pairs, f"curation=bandit: none of {count} held-out {task.name} prompts has a worked solution that fits "
             f"the window of {window} tokens (the probe, its reward, needs some)")
     ids_NL, attention_NL, P = diffusion_batch(tokenizer, pairs, window, device=policy.device)

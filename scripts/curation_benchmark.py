@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +27,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(ROOT / "scripts"))
+
 from dllm_rl import analysis  # noqa: E402
+from sweep import keep, kept, launch  # noqa: E402
 from dllm_rl.analysis import mean_spread as spread  # noqa: E402
 
 STRATEGIES: dict[str, list[str]] = {
@@ -51,16 +52,9 @@ def run_dir(out: Path, task: str, strategy: str, seed: int) -> Path:
     return out / task / f"{strategy}-s{seed}"
 
 
-def launch(path: Path, task: str, strategy: str, seed: int, args: argparse.Namespace) -> None:
-    command = [sys.executable, "-m", "dllm_rl.cli", "train", f"task={task}", f"seed={seed}", f"steps={args.steps}",
-               f"run_dir={path}", f"eval_every={args.eval_every}", f"eval_prompts={args.eval_prompts}",
-               "eval_samples=4", *COMMON, *STRATEGIES[strategy], *args.overrides]
-    if (path / "checkpoints").is_dir():  # an interrupted run: continue it
-        command = [sys.executable, "-m", "dllm_rl.cli", "train", f"resume={path}"]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TQDM_DISABLE": "1"}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.parent / f"{path.name}.log", "w") as log:
-        subprocess.run(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
+def overrides(task: str, strategy: str, seed: int, args: argparse.Namespace) -> list[str]:
+    return [f"task={task}", f"seed={seed}", f"steps={args.steps}", f"eval_every={args.eval_every}",
+            f"eval_prompts={args.eval_prompts}", "eval_samples=4", *COMMON, *STRATEGIES[strategy], *args.overrides]
 
 
 def numbers(path: Path, rollouts_per_step: int) -> dict:
@@ -81,14 +75,6 @@ def settings(task: str, strategy: str, seed: int, args: argparse.Namespace) -> d
     """What makes two runs the same run (a kept run with other settings is run again)."""
     return {"task": task, "strategy": strategy, "seed": seed, "steps": args.steps, "eval_every": args.eval_every,
             "eval_prompts": args.eval_prompts, "overrides": COMMON + STRATEGIES[strategy] + args.overrides}
-
-
-def kept(path: Path, wanted: dict) -> dict | None:
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return record["numbers"] if record.get("settings") == wanted else None
 
 
 def at_spend(run: dict, cumulative: list[float], limit: float) -> dict:
@@ -124,9 +110,9 @@ def main() -> None:
     if "none" not in args.strategies:
         args.strategies = ["none", *args.strategies]  # the baseline every ratio is taken against
 
-    out, keep = Path(args.out), Path(args.keep)
+    out, keep_dir = Path(args.out), Path(args.keep)
     plan = [(task, s, seed) for task in args.tasks for s in args.strategies for seed in args.seeds]
-    kept_path = {p: keep / p[0] / f"{p[1]}-s{p[2]}.json" for p in plan}
+    kept_path = {p: keep_dir / p[0] / f"{p[1]}-s{p[2]}.json" for p in plan}
     runs = {p: kept(kept_path[p], settings(*p, args)) for p in plan}
     todo = [p for p in plan if runs[p] is None]
     started = time.perf_counter()
@@ -135,11 +121,9 @@ def main() -> None:
     def work(item):
         if not analysis.finished(run_dir(out, *item), args.steps):
             print(f"running {' '.join(map(str, item))} ...", flush=True)
-            launch(run_dir(out, *item), *item, args)
+            launch(run_dir(out, *item), overrides(*item, args), args.threads)
         runs[item] = numbers(run_dir(out, *item), per_step)
-        kept_path[item].parent.mkdir(parents=True, exist_ok=True)
-        kept_path[item].write_text(json.dumps({"settings": settings(*item, args), "numbers": runs[item]},
-                                              default=float) + "\n")
+        keep(kept_path[item], settings(*item, args), runs[item])
         print(f"finished {' '.join(map(str, item))}: {kept_path[item]}", flush=True)
 
     with ThreadPoolExecutor(args.jobs) as pool:  # each job is a subprocess with its own OMP threads

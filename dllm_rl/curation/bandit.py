@@ -17,7 +17,8 @@ cheap held-out metric over the step's update is the reward of the rows it picked
   left out.
 - Reward: the change, over the step's update, of the held-out probe: the policy's mean per-token log-likelihood
   (mean-field estimator, one forward) of verified-correct completions (the task's solver, or the reference
-  solutions of a file task) of `probe_prompts` held-out prompts. Measured once before the first step and after every
+  solutions of a file task; with their steps where they fit the window, else the answer alone) of `probe_prompts`
+  held-out prompts. Measured once before the first step and after every
   update, on every rank alike. Every picked row of the step shares that reward (`A += x x'`, `b += r x`).
 - Replay buffer: after each update the step's on-policy rows join it (what is needed to score them again: tokens,
   denoising order, sampler record, mask seeds, reward, advantage); rows older than `max_age` steps leave, and at

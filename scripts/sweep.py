@@ -1,0 +1,40 @@
+"""What the sweep scripts share (scripts/curation_benchmark.py, scripts/long_runs.py): one `dllm-rl train` run per
+(task, arm, seed) as a subprocess that continues an interrupted run from its checkpoint, and the small JSON each
+finished run's numbers are kept in (committed with the docs, so a sweep longer than one machine's life continues on
+the next)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def launch(path: Path, overrides: list[str], threads: int) -> None:
+    """`dllm-rl train run_dir=path *overrides`, or `resume=path` where the run has a checkpoint; its output goes
+    to path.log beside the run."""
+    command = [sys.executable, "-m", "dllm_rl.cli", "train", f"run_dir={path}", *overrides]
+    if (path / "checkpoints").is_dir():  # an interrupted run: continue it
+        command = [sys.executable, "-m", "dllm_rl.cli", "train", f"resume={path}"]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TQDM_DISABLE": "1"}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f"{path.name}.log", "a") as log:
+        subprocess.run(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
+
+
+def kept(path: Path, wanted: dict) -> dict | None:
+    """A finished run's kept numbers, or None where there are none or they were made with other settings."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record["numbers"] if record.get("settings") == wanted else None
+
+
+def keep(path: Path, settings: dict, numbers: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"settings": settings, "numbers": numbers}, default=float) + "\n")
