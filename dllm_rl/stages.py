@@ -1,7 +1,7 @@
 """The stages of one RL step, each testable alone, with a `StepBatch` of plain data flowing between them.
 
     choose prompts -> (allocate) -> generate -> verify -> external rollouts -> advantages -> (reweight)
-    -> old/ref log-probs -> (sampler correction) -> update -> metrics (the checkpoint is the loop's)
+    -> old/ref log-probs -> (sampler correction) -> update -> (after update) -> metrics (the checkpoint is the loop's)
 
 The stages up to "verify" are in `dllm_rl/collect.py` (with the `StepBatch`), the rest here.
 
@@ -18,6 +18,7 @@ The stages up to "verify" are in `dllm_rl/collect.py` (with the `StepBatch`), th
 | old/ref log-probs  | `score_old_and_reference`   | rows, the sampler's record     | mask seeds, old_logp, ref_logp      |
 | sampler correction | `SamplerCorrectionStage`    | on-policy rows, sampler logp   | their loss weights, correction/*    |
 | update             | `Learner.update`            | every row, the auxiliary rows  | the weights; loss and policy metrics|
+| after update       | `Curation.after_update`     | the step's rows, a probe       | the bandit's scorer, replay buffer  |
 | metrics            | `step_metrics`              | the batch                      | the step's metrics (over ranks)     |
 
 `CollectRollouts` runs choose prompts through verify, in rounds where dynamic sampling asks for more, and

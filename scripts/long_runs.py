@@ -5,8 +5,9 @@ Every (task, arm, seed) is one `dllm-rl train` run from models/tiny-dllm with th
 decoding at 0.9, measured within noise of the exact one in docs/benchmarks.md), evaluated before training and every
 --eval-every steps on --eval-prompts held-out prompts: greedy pass@1, best-of-4 at the rollout temperature, and with
 an external policy the provenance split (pass@1 on the prompts it solves / fails). Arms: `grpo` (external=none),
-`erils` (the default: the task's solver as the external policy), `erils+greso` (the best of part 1: GRESO was the
-cheapest at equal outcome on both tasks, docs/curation.md), and ERILS with each strategy after the rewards
+`erils` (the default: the task's solver as the external policy), `erils+greso` (part 1's choice: no strategy of
+part 1 was a gain, and GRESO was the cheapest at equal outcome on Sudoku, docs/curation.md), and ERILS with each
+strategy after the rewards
 (`grpo_dropout`, `echo`, `hindsight`, `bandit`).
 
 Resumable: an interrupted run continues from its last checkpoint, and each finished run's numbers are kept as a
@@ -40,7 +41,9 @@ from sweep import keep, kept, launch  # noqa: E402
 ARMS: dict[str, list[str]] = {
     "grpo": ["external=none"],
     "erils": [],
-    "erils+greso": ["curation=greso"],
+    # under ERILS every group has kept external rows (trigger=always), which GRESO's default exempts from counting
+    # as flat: it would skip nothing and repeat the erils run (seed 0 of Sudoku, docs/long_runs.md)
+    "erils+greso": ["curation=greso", "curation.greso.exempt_external=false"],
     "erils+grpo_dropout": ["curation=grpo_dropout"],
     "erils+echo": ["curation=echo"],
     "erils+hindsight": ["curation=hindsight"],
