@@ -1,7 +1,7 @@
 """`dllm-rl train`: GRPO for a masked-diffusion policy, one step a pipeline of stages read top to bottom.
 
-One step (`run_steps` below; the stages are in `dllm_rl/collect.py` and `dllm_rl/stages.py`, with the `StepBatch`
-that flows between them):
+One step (`run_steps` below; the stages are in `dllm_rl/collect.py`, `dllm_rl/stages.py` and `dllm_rl/learner.py`,
+with the `StepBatch` that flows between them):
 
     choose prompts -> generate on-policy rollouts -> verify -> external rollouts (ERILS) -> advantages
     -> old/reference log-probs -> update -> metrics, held-out evaluation, checkpoint
@@ -9,9 +9,10 @@ that flows between them):
 Without external rollouts this is diffu-GRPO (d1, arXiv 2504.12216). Who owns what:
 - `TrainConfig` (`dllm_rl/train_config.py`): every option, checked by name, type and range before anything is
   loaded; its defaults are configs/train.yaml's;
-- `dllm_rl/collect.py` and `dllm_rl/stages.py`: each stage, testable alone (`dllm_rl/curation/`: which prompts
-  get rollouts and how many); the estimator, advantage, KL, loss aggregation and the ERILS
-  options are built once here from their configs (`build_estimator`, `build_mixer`, `split_algo`);
+- `dllm_rl/collect.py`, `dllm_rl/stages.py`, `dllm_rl/learner.py`: each stage, testable alone
+  (`dllm_rl/curation/`: which prompts get rollouts and how many, which rows teach); the estimator, advantage, KL,
+  loss aggregation and the ERILS options are built once here from their configs (`build_estimator`,
+  `build_mixer`, `split_algo`);
 - `DataParallel` (`dllm_rl/data_parallel.py`): which prompt groups and rows are this rank's, stand-in rows, the
   single-process minibatch plan, the global loss normaliser, and every cross-rank decision; the loop names no rank;
 - `Engine` (`dllm_rl/engine/`): DeepSpeed; one `update(loss)` does backward, the non-finite checks and the step;
@@ -67,8 +68,10 @@ from dllm_rl.resume import decide_resume, read_run_config, record_resume, with_a
 from dllm_rl.rollout.generate import TextGenerator
 from dllm_rl.curation import Bandit, Curation, build_curation, check_curation
 from dllm_rl.collect import CollectRollouts, InProcessRollouts, PromptSource, StepBatch, inference, observe_curation
-from dllm_rl.stages import (ExternalRollouts, HeldOut, Learner, SamplerCorrectionStage, assign_advantages,
-                            build_probe, sample_rows, score_old_and_reference, step_metrics)
+from dllm_rl.held_out import HeldOut, build_probe
+from dllm_rl.learner import Learner
+from dllm_rl.stages import (ExternalRollouts, SamplerCorrectionStage, assign_advantages, sample_rows,
+                            score_old_and_reference, step_metrics)
 from dllm_rl.tracking import NullTracker, PhaseTimer, Tracker, console_line, run_header
 from dllm_rl.train_config import TrainConfig, engine_options, split_algo
 

@@ -15,7 +15,8 @@ from dllm_rl.data_parallel import DataParallel
 from dllm_rl.engine import Engine, deepspeed_config, init_distributed
 from dllm_rl.likelihood.estimators import build_estimator
 from dllm_rl.lockstep import counting_forwards
-from dllm_rl.stages import Learner, assign_advantages, score_old_and_reference
+from dllm_rl.learner import Learner
+from dllm_rl.stages import assign_advantages, score_old_and_reference
 from tests.test_stages import ARITHMETIC, batch_of
 
 

@@ -15,7 +15,8 @@ from dllm_rl.likelihood.estimators import build_estimator
 from dllm_rl.rollout.generate import TextGenerator
 from dllm_rl.seeds import derive_seed
 from dllm_rl.collect import InProcessRollouts, PromptSource, StepBatch, verify
-from dllm_rl.stages import Learner, assign_advantages, score_old_and_reference, step_metrics
+from dllm_rl.learner import Learner
+from dllm_rl.stages import assign_advantages, score_old_and_reference, step_metrics
 
 ARITHMETIC = build_task("arithmetic")
 MEAN_FIELD = build_estimator({"name": "mean_field"})

@@ -10,7 +10,7 @@ from dllm_rl.data import build_task
 from dllm_rl.data.task import draw_examples
 from dllm_rl.external.provenance import external_solves, split_pass1
 from dllm_rl.external.sources import JsonlSource, SolverSource
-from dllm_rl.stages import HeldOut
+from dllm_rl.held_out import HeldOut
 from dllm_rl.train import train
 
 SUDOKU = build_task("sudoku")
