@@ -1,0 +1,1 @@
+"""Rollout workers: bounded-staleness admission (`admission`) and versioned policy snapshots (`versions`)."""
