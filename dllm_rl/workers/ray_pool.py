@@ -1,0 +1,178 @@
+"""Rollout workers as Ray actors: each holds its own copy of the policy at a published version and runs the same
+sampler, with the same seed contract, as the learner's in-process rollouts.
+
+Ray runs beside the learner (which stays a DeepSpeed engine under the `deepspeed` launcher or `torchrun`): on one
+machine the run starts a local Ray (`start_ray()`); across machines it joins a cluster started by hand:
+
+    ray start --head --port=6379 --num-cpus=<cores for workers>          # on the head node
+    ray start --address=<head ip>:6379 --num-cpus=<cores>                # on each other node
+
+and the run's `address` is `<head ip>:6379`. Snapshots travel through Ray's object store (`RayStore`): a worker
+on another node pulls the chunks from any node that already holds a copy.
+
+A worker is stateless apart from its loaded snapshot: `load` checks the checksum of what it received against what
+the learner published (dllm_rl/workers/versions.py), `generate` returns plain CPU tensors stamped with the
+version and update count they were generated from. Ray is imported only here, and only when used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+from typing import Any, Sequence
+
+import torch
+
+from dllm_rl.errors import RunStopped
+from dllm_rl.workers.versions import Snapshot, load_verified
+
+
+class WorkersError(RunStopped):
+    """Ray did not start, or the rollout workers cannot go on (all gone, timed out): named, never a hang."""
+
+
+def start_ray(address: str | None = None, num_cpus: int | None = None, object_store_mb: int = 256,
+              temp_dir: str | None = None) -> None:
+    """A local Ray (address None: this machine only, `num_cpus` logical CPUs, the object store capped at
+    `object_store_mb` MiB in /dev/shm, no dashboard), or a running cluster joined at `address`."""
+    import ray
+
+    if address is not None and address != "auto":
+        reachable(address)  # ray.init retries an absent cluster for minutes, then aborts the process
+    options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
+    if address is None:
+        options.update(num_cpus=num_cpus, object_store_memory=object_store_mb * 2**20, _temp_dir=temp_dir)
+    try:
+        ray.init(address=address, **options)
+    except Exception as error:  # ray raises ConnectionError, RuntimeError, ValueError, TimeoutError...
+        where = f"the cluster at address={address!r}" if address else "a local Ray"
+        raise WorkersError(f"Ray did not start ({where}): {type(error).__name__}: {error}") from None
+
+
+def reachable(address: str, timeout_s: float = 10.0) -> None:
+    """A named error unless something accepts TCP connections at `address` (host:port, the head's GCS port)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise WorkersError(f"address={address!r}: expected host:port of a Ray head (ray start --head --port=6379)")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as error:
+        raise WorkersError(f"Ray did not start (the cluster at address={address!r}): nothing answers there "
+                           f"({error.strerror or error}); start its head with `ray start --head --port={port}`") from None
+
+
+def stop_ray() -> None:
+    """Shut Ray down (its processes end with it); a no-op where it is not running."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+class RayStore:
+    """The transport over Ray's object store: an object lives while some reference to it does (the publisher
+    keeps the last two; a worker holds the one it is loading)."""
+
+    def put(self, state: dict[str, torch.Tensor]) -> Any:
+        import ray
+
+        # cpu: the object store holds host memory; a GPU worker copies the state to its device when loading
+        return ray.put({name: tensor.detach().to("cpu") for name, tensor in state.items()})
+
+    def get(self, ref: Any) -> dict[str, torch.Tensor]:
+        import ray
+
+        return ray.get(ref)
+
+    def drop(self, ref: Any) -> None:
+        pass  # the publisher forgets the reference; Ray frees the object once no worker holds it
+
+
+@dataclasses.dataclass
+class Generated:
+    """A worker's samples of some prompts, with the snapshot they came from."""
+
+    version: int
+    step: int  # the learner's update count when the snapshot was published: a row's lag is (step trained - step)
+    checksum: str
+    samples: Any  # Samples, on the CPU
+
+
+class RolloutWorker:
+    """The body of a rollout actor (`ray.remote(RolloutWorker)`): a policy loaded from a local checkpoint path, the
+    rollout sampler's settings, the learner's autocast choice; `threads` torch threads (so workers beside the
+    learner do not oversubscribe the cores)."""
+
+    def __init__(self, model: str, sampler: dict[str, Any], bf16: bool, threads: int = 1,
+                 trust_remote_code: bool = False):
+        from dllm_rl.device import autocast, default_device
+        from dllm_rl.policy.adapters import load_policy
+        from dllm_rl.rollout.generate import TextGenerator
+
+        torch.set_num_threads(threads)
+        device = default_device()
+        self.policy, tokenizer = load_policy(model, device=device, trust_remote_code=trust_remote_code)
+        self.policy.model.eval()
+        self.generator = TextGenerator(self.policy, tokenizer, **sampler)
+        self.autocast = lambda: autocast(device, bf16)
+        self.snapshot: Snapshot | None = None
+
+    def load(self, snapshot: Snapshot) -> int:
+        """Load a published snapshot (checked against its checksum); its version."""
+        state = load_verified(RayStore(), snapshot)
+        self.policy.model.load_state_dict(state)
+        self.snapshot = snapshot
+        return snapshot.version
+
+    def generate(self, prompts: Sequence[str], seeds: Sequence[int]) -> Generated:
+        """The loaded policy's rollouts of `prompts`, rollout i drawing from `seeds[i]`."""
+        if self.snapshot is None:
+            raise WorkersError("a rollout worker was asked to generate before any snapshot was loaded")
+        with torch.no_grad(), self.autocast():
+            samples = self.generator.sample(list(prompts), list(seeds))
+        # cpu: results travel back through the object store in host memory
+        host = {f.name: getattr(samples, f.name) for f in dataclasses.fields(samples)}
+        host = {k: v.to("cpu") if isinstance(v, torch.Tensor) else v for k, v in host.items()}
+        return Generated(self.snapshot.version, self.snapshot.step, self.snapshot.checksum, type(samples)(**host))
+
+    def version(self) -> int | None:
+        return None if self.snapshot is None else self.snapshot.version
+
+
+class WorkerPool:
+    """`count` rollout actors of one kind, each reserving `cpus` logical CPUs; every call waits at most
+    `timeout_s` (a worker that does not answer in time is a named error, never a hang)."""
+
+    def __init__(self, count: int, model: str, sampler: dict[str, Any], bf16: bool, threads: int = 1,
+                 cpus: float = 1.0, timeout_s: float = 600.0, trust_remote_code: bool = False):
+        import ray
+
+        if count < 1:
+            raise ValueError(f"count={count}: a pool has at least one worker")
+        actor = ray.remote(num_cpus=cpus)(RolloutWorker)
+        self.actors = [actor.remote(model, sampler, bf16, threads, trust_remote_code) for _ in range(count)]
+        self.timeout_s = timeout_s
+
+    def wait(self, refs: list, what: str) -> list:
+        import ray
+
+        try:
+            return ray.get(refs, timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise WorkersError(f"rollout workers did not finish {what} within {self.timeout_s:g} s") from None
+
+    def load(self, snapshot: Snapshot) -> None:
+        """Every worker loads `snapshot` (each checks its checksum)."""
+        self.wait([a.load.remote(snapshot) for a in self.actors], f"loading policy version {snapshot.version}")
+
+    def generate(self, chunks: list[tuple[Sequence[str], Sequence[int]]]) -> list[Generated]:
+        """Chunk i (prompts, seeds) on worker i mod count, all at once; the results in chunk order."""
+        refs = [self.actors[i % len(self.actors)].generate.remote(p, s) for i, (p, s) in enumerate(chunks)]
+        return self.wait(refs, f"{len(chunks)} rollout chunks")
+
+    def close(self) -> None:
+        import ray
+
+        for actor in self.actors:
+            ray.kill(actor)
+        self.actors = []

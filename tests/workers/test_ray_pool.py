@@ -1,0 +1,93 @@
+"""Rollout workers as real Ray actors (dllm_rl/workers/ray_pool.py) on the embedded dLLM: a published snapshot
+travels through the object store, each worker checks it, and their rollouts equal the learner's in-process
+rollouts of the same weights and seeds token for token; a corrupted snapshot and an unloaded worker are named."""
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dllm_rl.policy.adapters import load_policy
+from dllm_rl.rollout.generate import TextGenerator
+from dllm_rl.workers.ray_pool import RayStore, WorkerPool, WorkersError, start_ray
+from dllm_rl.workers.versions import ChecksumMismatch, Publisher, Snapshot
+
+MODEL = str(Path(__file__).resolve().parents[2] / "models" / "tiny-dllm")
+SAMPLER = {"gen_length": 16, "block_length": 8, "steps": 8, "temperature": 1.0}
+PROMPTS = ["12+7=", "3+4=", "40+2=", "9+9="]
+
+pytestmark = pytest.mark.slow
+
+
+def perturbed_policy(seed: int):
+    """The embedded dLLM with every weight moved a little: rollouts that only these weights give."""
+    policy, tokenizer = load_policy(MODEL)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    policy.model.eval()
+    return policy, tokenizer
+
+
+def test_workers_roll_out_what_the_learner_would_from_the_published_snapshot(ray_session):
+    policy, tokenizer = perturbed_policy(seed=1)
+    publisher = Publisher(RayStore())
+    snapshot = publisher.publish(policy.model.state_dict(), step=3)
+    pool = WorkerPool(2, MODEL, SAMPLER, bf16=False, timeout_s=120)
+    try:
+        pool.load(snapshot)
+        chunks = [(PROMPTS[:2], [11, 12]), (PROMPTS[2:], [13, 14])]
+        got = pool.generate(chunks)
+    finally:
+        pool.close()
+    generator = TextGenerator(policy, tokenizer, **SAMPLER)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the workers run
+    try:
+        with torch.no_grad():
+            expected = [generator.sample(p, s) for p, s in chunks]
+    finally:
+        torch.set_num_threads(threads)
+    for out, ref in zip(got, expected):
+        assert (out.version, out.step, out.checksum) == (1, 3, snapshot.checksum)
+        assert torch.equal(out.samples.sequences_BL, ref.sequences_BL)
+        assert torch.equal(out.samples.unmask_step_BC, ref.unmask_step_BC)
+        assert torch.equal(out.samples.logp_BC, ref.logp_BC)
+    unperturbed = TextGenerator(load_policy(MODEL)[0], tokenizer, **SAMPLER).sample(*chunks[0])
+    assert not torch.equal(unperturbed.sequences_BL, got[0].samples.sequences_BL)  # the snapshot mattered
+
+
+def test_a_corrupted_snapshot_and_an_unloaded_worker_are_named(ray_session):
+    policy, _ = perturbed_policy(seed=2)
+    snapshot = Publisher(RayStore()).publish(policy.model.state_dict(), step=0)
+    pool = WorkerPool(1, MODEL, SAMPLER, bf16=False, timeout_s=120)
+    try:
+        with pytest.raises(WorkersError, match="before any snapshot was loaded"):
+            pool.generate([(PROMPTS[:1], [1])])
+        bad = Snapshot(snapshot.version, snapshot.step, snapshot.ref, "0badc0de")
+        with pytest.raises(ChecksumMismatch, match="the learner published 0badc0de"):
+            pool.load(bad)
+    finally:
+        pool.close()
+
+
+def test_a_cluster_that_is_not_there_is_a_named_error():
+    with socket.socket() as closed:  # a loopback port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    with pytest.raises(WorkersError, match=rf"the cluster at address='127.0.0.1:{port}'\): nothing answers"):
+        start_ray(address=f"127.0.0.1:{port}")
+    with pytest.raises(WorkersError, match="expected host:port"):
+        start_ray(address="headnode")
+
+
+def test_ray_that_cannot_start_is_a_named_error(tmp_path):
+    code = ("from dllm_rl.workers.ray_pool import start_ray, WorkersError\n"
+            "try:\n    start_ray(num_cpus=1, object_store_mb=1, temp_dir=%r)\n"
+            "except WorkersError as e:\n    print('NAMED', e)\n" % str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "NAMED Ray did not start (a local Ray)" in out.stdout, out.stderr[-2000:]
