@@ -140,22 +140,27 @@ class InProcessRollouts:
     inference: Callable[[], ContextManager]
 
     def __call__(self, batch: StepBatch) -> Rows:
-        tokenizer, eos_id = self.generator.tokenizer, self.generator.eos_id
-        keys = [(b, q, g) for b, (q, n) in enumerate(zip(batch.prompt_ids, batch.group_sizes)) for g in range(n)]
-        prompts = [batch.prompt_texts[b] for b, _, _ in keys]
+        keys = rollout_keys(batch)
         with self.inference():  # at ZeRO-3 a collective (the parameter gather): a rank without prompts joins too
             if not keys:
                 return self.stand_in(batch)
-            samples = self.generator.sample(prompts, [derive_seed(self.seed, "rollout", batch.step, q, g)
-                                                      for _, q, g in keys])
+            samples = self.generator.sample([batch.prompt_texts[b] for b, _, _ in keys], self.seeds(batch, keys))
+        rows = self.rows_of(samples, keys, version=batch.step)
+        batch.metrics.update(rollout_metrics(rows, float(samples.forwards)))
+        return rows
+
+    def seeds(self, batch: StepBatch, keys: list[tuple[int, int, int]]) -> list[int]:
+        """Each rollout's seed: (seed, "rollout", step, prompt id, rollout index)."""
+        return [derive_seed(self.seed, "rollout", batch.step, q, g) for _, q, g in keys]
+
+    def rows_of(self, samples, keys: list[tuple[int, int, int]], version: int) -> Rows:
+        """The on-policy rows of `samples`, rollout i being `keys[i]` = (batch index, prompt id, rollout index)."""
+        tokenizer, eos_id = self.generator.tokenizer, self.generator.eos_id
         device = samples.sequences_BL.device
-        prompt_N = torch.tensor([b for b, _, _ in keys], device=device)
-        batch.metrics.update({"rollout/forwards": float(samples.forwards),
-                              "rollout/distinct": distinct_share(samples.completion_BC, prompt_N),
-                              "rollout/agreement": pairwise_agreement(samples.completion_BC, prompt_N)})
         return Rows("on_policy", samples.sequences_BL, samples.attention_mask_BL, samples.prompt_length,
-                    completion_mask(samples.completion_BC, eos_id), samples.unmask_step_BC, prompt_N, [],
-                    completion_texts(tokenizer, samples.completion_BC, eos_id), version=batch.step,
+                    completion_mask(samples.completion_BC, eos_id), samples.unmask_step_BC,
+                    torch.tensor([b for b, _, _ in keys], device=device), [],
+                    completion_texts(tokenizer, samples.completion_BC, eos_id), version=version,
                     estimator=self.estimator, sampler_logp_NC=samples.logp_BC, entropy_NC=samples.entropy_BC,
                     prompt_id_N=torch.tensor([q for _, q, _ in keys], device=device),
                     rollout_N=torch.tensor([g for _, _, g in keys], device=device))
@@ -175,6 +180,18 @@ class InProcessRollouts:
                     weight_N=zeros[:, 0].clone(), inert=True,
                     prompt_id_N=torch.full((1,), -1, device=ids_P.device), rollout_N=torch.zeros(1, dtype=torch.long,
                     device=ids_P.device))
+
+
+def rollout_keys(batch: StepBatch) -> list[tuple[int, int, int]]:
+    """(batch index, prompt id, rollout index) of every rollout the batch asks for, prompt by prompt."""
+    return [(b, q, g) for b, (q, n) in enumerate(zip(batch.prompt_ids, batch.group_sizes)) for g in range(n)]
+
+
+def rollout_metrics(rows: Rows, forwards: float) -> dict[str, float]:
+    """rollout/forwards (the sampler's), and the groups' diversity: distinct completions, pairwise agreement."""
+    completion_NC = rows.ids_NL[:, rows.prompt_length:]
+    return {"rollout/forwards": forwards, "rollout/distinct": distinct_share(completion_NC, rows.prompt_N),
+            "rollout/agreement": pairwise_agreement(completion_NC, rows.prompt_N)}
 
 
 def verify(batch: StepBatch, task: Task) -> None:

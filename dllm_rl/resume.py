@@ -30,7 +30,10 @@ from dllm_rl.optim import LR_SCHEDULES, lr_factor
 RESUME_SAFE_KEYS = ("steps", "eval_every", "eval_prompts", "eval_samples", "eval_external_samples", "checkpoint_every",
                     "keep_checkpoints", "sample_every", "tensorboard", "max_bad_steps", "deepspeed.timeout_s", "trust_remote_code",
                     "external.trust_remote_code",  # consent, given again by whoever resumes (cli.consent_given)
-                    "logger.name", "logger.project", "logger.entity", "logger.run_name", "logger.tags", "logger.mode")
+                    "logger.name", "logger.project", "logger.entity", "logger.run_name", "logger.tags", "logger.mode",
+                    # where rollouts are generated: the same rollouts either way (dllm_rl/workers/remote.py)
+                    "workers.count", "workers.address", "workers.threads", "workers.cpus", "workers.timeout_s",
+                    "workers.object_store_mb")
 # What no resume can change, not even with allow_changes: the shape of the trained adapter, whose weights and
 # optimizer state the checkpoint holds (switching LoRA on or off included). A new run from the checkpoint can.
 ADAPTER_SHAPE_KEYS = ("lora.r", "lora.target_modules")

@@ -74,6 +74,8 @@ from dllm_rl.stages import (ExternalRollouts, SamplerCorrectionStage, assign_adv
                             score_old_and_reference, step_metrics)
 from dllm_rl.tracking import NullTracker, PhaseTimer, Tracker, console_line, run_header
 from dllm_rl.train_config import TrainConfig, engine_options, split_algo
+from dllm_rl.workers.config import WorkersConfig
+from dllm_rl.workers.remote import build_remote_rollouts
 
 def writable_directory(path: Path) -> None:
     """Make `path` (and its parents) or stop with a named error, before anything is loaded."""
@@ -221,6 +223,9 @@ def setup(task: Task, cfg: TrainConfig, print_fn, saved_config: dict | None, all
     # Join first, then read files: a rank that fails on them (the model's config, the external model, the data
     # files) posts its reason for its peers (engine/rendezvous.py) instead of leaving them at the rendezvous.
     world = init_distributed(timeout_s)  # rank 0 of 1 without a launcher
+    require(world.size == 1 or cfg.workers["count"] == 0,
+            f"workers.count={cfg.workers['count']} with {world.size} learner ranks: rollout workers serve one "
+            f"learner process so far; launch one process, or set workers.count=0")
     torch.manual_seed(derive_seed(cfg.seed, "global", world.rank))  # dropout's draws (`train` forks the state)
     check_model_files(cfg)
     device = default_device()  # this rank's GPU (LOCAL_RANK) where there is one: every stage's tensors go there
@@ -244,7 +249,8 @@ def setup(task: Task, cfg: TrainConfig, print_fn, saved_config: dict | None, all
         print_fn(f"resume: {run_dir} has no checkpoint yet (it stopped before its first); starting it again")
     learned = load_learner(cfg, world, ds_options, checkpoint, with_reference=loss_options.get("beta", 0.0) > 0,
                            device=device)
-    state = {"step": 0, "data_position": 0, "bad_steps": 0, "external_baseline": 0.0, "curation": {}}
+    state = {"step": 0, "data_position": 0, "bad_steps": 0, "external_baseline": 0.0, "curation": {},
+             "policy_version": 0}
     if checkpoint is not None:
         state = {**state, **load_trainer_state(checkpoint, learned.engine, learned.scheduler)}
     resumed_at = state["step"] if checkpoint is not None else (-1 if restart else None)  # logs are cut back to it
@@ -307,6 +313,11 @@ def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned,
                       reuse_current, mixer.config.minibatch_mix if mixer is not None else "stratified", cfg.seed, dp,
                       autocast, cfg.ref_sync_every, cfg.max_bad_steps, bad_steps=state["bad_steps"],
                       micro_rows=cfg.micro_batch_rows, micro_forwards=cfg.micro_batch_forwards)
+    rollouts = InProcessRollouts(sampler, estimator, cfg.seed, generating)
+    if cfg.workers["count"] > 0:
+        rollouts = build_remote_rollouts(WorkersConfig(**cfg.workers), cfg.model, cfg.sampler,
+                                         resolve_bf16(cfg.bf16, policy.device), cfg.trust_remote_code, learned.net.state_dict,
+                                         rollouts, tokenizer.pad_token_id, version=state["policy_version"])
     held_out = HeldOut(greedy, sampler, task, tokenizer, cfg.eval_prompts, cfg.eval_samples, cfg.seed, generating)
     if mixer is not None and cfg.eval_every > 0 and cfg.eval_external_samples > 0:
         held_out.external_solved = external_solves(mixer.source, task, held_out.examples(), cfg.eval_external_samples,
@@ -315,8 +326,7 @@ def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned,
     return Run(
         cfg, task, dp, run_dir, tracker, learned, state,
         prompts=prompts,
-        collect=CollectRollouts(prompts, InProcessRollouts(sampler, estimator, cfg.seed, generating), task, curation,
-                                dp, pad_id=tokenizer.pad_token_id),
+        collect=CollectRollouts(prompts, rollouts, task, curation, dp, pad_id=tokenizer.pad_token_id),
         curation=curation,
         external=external,
         advantages=functools.partial(assign_advantages, advantage=advantage, mixer=mixer, dp=dp),
@@ -346,7 +356,10 @@ def train(task: Task, *, saved_config: dict[str, Any] | None = None, allow_chang
     # checkpoints, and the caller's state is back when the run ends
     with stop_together(), torch.random.fork_rng(devices=[gpu.index] if gpu.type == "cuda" else []):
         run = setup(task, cfg, print_fn, saved_config, allow_changes)
-        metrics = run_steps(run)
+        try:
+            metrics = run_steps(run)
+        finally:  # rollout workers (and a Ray this run started) stop with the run, however it ends
+            close_rollouts(run)
     run.tracker.close()
     if run.dp.world.is_main:
         run.print_fn(run_summary(run.run_dir))
@@ -399,6 +412,18 @@ def run_step(run: Run, step: int, timer: PhaseTimer) -> tuple[StepBatch, dict[st
     return batch, step_metrics(batch, update_metrics, timer.metrics(), dp)
 
 
+def policy_version(run: Run) -> int:
+    """The policy version published to rollout workers so far (0 with in-process rollouts)."""
+    publisher = getattr(getattr(run.collect, "rollouts", None), "publisher", None)
+    return publisher.version if publisher is not None else run.state.get("policy_version", 0)
+
+
+def close_rollouts(run: Run) -> None:
+    close = getattr(getattr(run.collect, "rollouts", None), "close", None)
+    if close is not None:
+        close()
+
+
 def resume_hint(run: Run) -> str:
     """Where an interrupted run continues from: its newest intact checkpoint, and the resume command."""
     checkpoint = latest_checkpoint(run.run_dir)
@@ -413,7 +438,7 @@ def record_step(run: Run, step: int, batch: StepBatch, metrics: dict[str, float]
     cfg, state, learner, done = run.cfg, run.state, run.learner, step + 1
     state.update(step=done, data_position=run.prompts.position, bad_steps=learner.bad_steps,
                  external_baseline=run.mixer.baseline if run.mixer is not None else 0.0,
-                 curation=run.curation.state_dict())
+                 curation=run.curation.state_dict(), policy_version=policy_version(run))
     if cfg.eval_every > 0 and (done % cfg.eval_every == 0 or done == cfg.steps):
         metrics.update(run.held_out())
     run.tracker.log(done, metrics)

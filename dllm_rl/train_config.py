@@ -32,6 +32,7 @@ from dllm_rl.likelihood.estimators import build_estimator
 from dllm_rl.optim import LR_SCHEDULES
 from dllm_rl.policy.lora import LORA_DEFAULTS, check_lora
 from dllm_rl.rollout.sampler import check_sampler_settings
+from dllm_rl.workers.config import WorkersConfig
 
 # The default option of each config group: configs/<group>/<option>.yaml, as configs/train.yaml picks them.
 GROUP_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -49,6 +50,7 @@ GROUP_DEFAULTS: dict[str, dict[str, Any]] = {
     "sampler_correction": dataclasses.asdict(SamplerCorrection()),
     "logger": {"name": "tensorboard"},
     "curation": {},  # none: every prompt gets group_size rollouts (dllm_rl/curation/)
+    "workers": dataclasses.asdict(WorkersConfig()),
 }
 
 
@@ -99,6 +101,7 @@ class TrainConfig:
     sampler_correction: dict[str, Any] = _group("sampler_correction")
     logger: dict[str, Any] = _group("logger")
     curation: dict[str, Any] = _group("curation")
+    workers: dict[str, Any] = _group("workers")
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> TrainConfig:
@@ -148,6 +151,7 @@ class TrainConfig:
         check_curation(self.curation)
         check_kwargs(SamplerCorrection, self.sampler_correction, "sampler_correction")
         SamplerCorrection(**self.sampler_correction)
+        self.check_workers()
         require(not (self.lora["r"] > 0 and self.ref_sync_every > 0),
                 f"ref_sync_every={self.ref_sync_every} with lora.r={self.lora['r']}: with LoRA the reference is the "
                 f"base model (the adapter switched off), which never moves; set ref_sync_every=0")
@@ -164,6 +168,21 @@ class TrainConfig:
             check_kwargs(MixingConfig, self.mixing, "mixing")
             likelihood = MixingConfig(**self.mixing).likelihood
             build_estimator(external_likelihood(estimator.config, likelihood), "mixing.likelihood")
+
+    def check_workers(self) -> None:
+        """The `workers` group, and what rollout workers cannot yet be combined with (named)."""
+        check_kwargs(WorkersConfig, self.workers, "workers")
+        check_types(WorkersConfig, self.workers, "workers")
+        workers = WorkersConfig(**self.workers)
+        if workers.count > 0:
+            require(self.lora["r"] == 0, f"workers.count={workers.count} with lora.r={self.lora['r']}: rollout "
+                    f"workers load full weights; LoRA runs generate in process (workers.count=0)")
+            require(engine_options(self.deepspeed)[0].get("stage", 0) < 3,
+                    f"workers.count={workers.count} with ZeRO-3 (deepspeed={self.deepspeed.get('name')!r}): "
+                    f"publishing sharded weights to workers is not built; use ZeRO 0-2 or workers.count=0")
+            require(not self.deepspeed.get("bf16", False),
+                    f"workers.count={workers.count} with deepspeed.bf16=true: workers hold fp32 weights and would "
+                    f"not generate what the bf16 learner does; use bf16 autocast (bf16=auto|true) instead")
 
     @property
     def sampler(self) -> dict[str, Any]:

@@ -1,0 +1,26 @@
+"""The `workers` group of configs/train.yaml: where a run's rollouts are generated (dllm_rl/workers/remote.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dllm_rl.errors import require
+
+
+@dataclass(frozen=True)
+class WorkersConfig:
+    """The `workers` group of configs/train.yaml."""
+
+    count: int = 0  # rollout actors; 0 = rollouts in the learner's process
+    address: str | None = None  # a running Ray cluster's head (host:port); None = start a local Ray
+    threads: int = 1  # torch threads per worker
+    cpus: float = 1.0  # logical CPUs Ray reserves per worker
+    timeout_s: float = 600.0  # the longest wait for the workers (a load, a step's rollouts): then a named error
+    object_store_mb: int = 256  # a local Ray's object store (shared memory), in MiB
+
+    def __post_init__(self) -> None:
+        for key, ok, expected in (("count", self.count >= 0, ">= 0 (0 = in-process rollouts)"),
+                                  ("threads", self.threads >= 1, ">= 1"), ("cpus", self.cpus > 0, "> 0"),
+                                  ("timeout_s", self.timeout_s > 0, "> 0"),
+                                  ("object_store_mb", self.object_store_mb >= 80, ">= 80 (Ray's minimum is 75 MiB)")):
+            require(ok, f"workers.{key} must be {expected}, got {getattr(self, key)!r}")

@@ -1,0 +1,91 @@
+"""`workers.count=N`: training with rollouts from Ray actors equals training with in-process rollouts (the same
+weights after 3 steps, the same rewards), stamps every step with a lag of 0 and a new policy version, resumes with
+the version, and a run that starts its own Ray leaves no Ray process behind."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from dllm_rl.checkpoint import latest_checkpoint
+from dllm_rl.errors import ConfigError
+from dllm_rl.train import train
+from tests.conftest import DigitShare
+from tests.test_train import SMALL, weights
+from tests.workers.conftest import processes_mentioning
+
+pytestmark = pytest.mark.slow
+
+
+def one_thread(fn, *args, **kwargs):
+    """`fn` with torch on one thread, as each worker runs (the rollouts are then the same floats)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def metrics_of(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_three_steps_with_two_workers_equal_three_steps_in_process(ray_session, saved_model, tmp_path):
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    options = dict(SMALL, model=saved_model, steps=3, checkpoint_every=3, bf16=False)
+    one_thread(train, DigitShare(), run_dir=str(local), **options)
+    one_thread(train, DigitShare(), run_dir=str(remote), workers={"count": 2, "timeout_s": 120}, **options)
+    a, b = weights(latest_checkpoint(local)), weights(latest_checkpoint(remote))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], weights(saved_model)[k]) for k in a)  # the run trained
+    ours, theirs = metrics_of(local), metrics_of(remote)
+    assert [m["reward/on_policy"] for m in ours] == [m["reward/on_policy"] for m in theirs]
+    assert [m["rollout/policy_version"] for m in theirs] == [1.0, 2.0, 3.0]
+    assert all(m["rollout/lag_max"] == 0.0 and m["rollout/lag_mean"] == 0.0 for m in theirs)
+    saved = torch.load(latest_checkpoint(remote) / "trainer_state.pt", weights_only=False)
+    assert saved["state"]["policy_version"] == 3
+    # a resumed run continues the version count; versions never go back
+    one_thread(train, DigitShare(), resume=str(remote), workers={"count": 1, "timeout_s": 120},
+               **{**options, "steps": 4})
+    assert metrics_of(remote)[-1]["rollout/policy_version"] == 4.0
+
+
+def test_workers_refuse_what_they_cannot_serve_by_name(saved_model, tmp_path):
+    for extra, match in (({"lora": {"r": 4}}, "lora.r=4"), ({"deepspeed": {"name": "zero3", "stage": 3}}, "ZeRO-3"),
+                         ({"deepspeed": {"bf16": True}}, "deepspeed.bf16=true")):
+        with pytest.raises(ConfigError, match=match):
+            train(DigitShare(), model=saved_model, run_dir=str(tmp_path / "r"), steps=1,
+                  workers={"count": 1}, **{**SMALL, **extra})
+
+
+def test_a_run_that_starts_its_own_ray_leaves_no_ray_process(saved_model, tmp_path):
+    run, short = tmp_path / "run", Path(tempfile.mkdtemp(prefix="t", dir="/tmp"))  # Ray's sockets need short paths
+    env = {**os.environ, "TMPDIR": str(short), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "dllm_rl.cli", "train", f"model={saved_model}", f"run_dir={run}", "steps=1",
+               "task=arithmetic", "prompts_per_step=2", "group_size=2", "minibatch_size=4", "eval_every=0",
+               "external=none", "rollout.gen_length=16", "rollout.block_length=8", "rollout.steps=8",
+               "workers.count=1", "workers.timeout_s=120", "tensorboard=false"]
+    out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert metrics_of(run)[0]["rollout/policy_version"] == 1.0
+    assert any(p.name.startswith("dllm-ray-") for p in short.iterdir())  # its Ray lived under TMPDIR ...
+    assert not processes_mentioning(str(short))  # ... and is gone
+    shutil.rmtree(short)
+
+
+def test_groups_are_split_whole_and_contiguous_over_the_workers():
+    from dllm_rl.workers.remote import split_groups
+
+    keys = [(b, 10 + b, g) for b, n in enumerate([4, 4, 2, 6]) for g in range(n)]  # 16 rollouts in 4 groups
+    assert split_groups(keys, 2) == [list(range(0, 8)), list(range(8, 16))]
+    assert split_groups(keys, 3) == [list(range(0, 4)), list(range(4, 10)), list(range(10, 16))]
+    assert split_groups(keys[:4], 3) == [[0, 1, 2, 3]]  # one group: one worker
+    shares = split_groups(keys, 8)
+    assert sorted(i for s in shares for i in s) == list(range(16)) and len(shares) == 4
