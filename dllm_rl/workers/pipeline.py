@@ -1,0 +1,166 @@
+"""The asynchronous rollout pipeline: keeps rollout workers busy under bounded staleness and hands the learner each
+step's groups (ECHO-2's overlap of generation and training), over any backend that can queue work on workers.
+
+The learner drives it from one thread: `publish(snapshot)` after an update, `take(step)` before the next. `take`
+starts as many groups as `Admission` allows (each on the least busy worker, after a load of the newest snapshot
+where that worker's queue does not hold it yet), then waits for finished groups until the step's B groups, in start
+order, are in. Work queued on a worker runs in order, so a group's version is the snapshot last queued on its
+worker before it: stamped when it is started, never when it finishes. The workers keep generating what was
+queued while the learner trains: that is the overlap. At S = 0 only the step's own groups can start, after its
+snapshot: the synchronous loop.
+
+A group whose worker fails (raises, or dies: its queued groups fail with it) is started again from the front of
+the queue, with the same seeds, at most `Admission.max_failures` times; a dead worker is restarted and loads the
+newest snapshot before its next group. Every wait is bounded by `timeout_s`, then a named `WorkersError`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from dllm_rl.workers.admission import Admission, Taken, Ticket
+from dllm_rl.workers.ray_pool import WorkersError
+from dllm_rl.workers.versions import ChecksumMismatch, Snapshot
+
+
+@dataclass(frozen=True)
+class Job:
+    """One group to generate: its key (the prompt id), the step it was drawn for (its seeds use it), and what a
+    worker needs to generate it."""
+
+    key: int
+    drawn_step: int
+    payload: Any
+
+
+class WorkerDied(RuntimeError):
+    """A backend's failure of a worker process (not of one group): its queued work is lost, it must restart."""
+
+
+class Backend(Protocol):
+    """Workers that run queued calls in order: `load` and `submit` queue and return at once."""
+
+    size: int
+
+    def load(self, worker: int, snapshot: Snapshot) -> None: ...
+
+    def submit(self, worker: int, job: Job) -> Any: ...  # a handle
+
+    def wait(self, handles: list, timeout_s: float) -> list: ...  # the finished ones (at least one), or [] at timeout
+
+    def result(self, handle: Any) -> Any: ...  # the group's result, or raises (WorkerDied where the worker died)
+
+    def restart(self, worker: int) -> None: ...
+
+
+@dataclass
+class Running:
+    worker: int
+    ticket: Ticket
+    job: Job
+
+
+@dataclass
+class Pipeline:
+    backend: Backend
+    admission: Admission
+    draw: Callable[[], list[Job]]  # the next step's groups, in order (called when the queue runs dry)
+    timeout_s: float = 600.0
+    snapshot: Snapshot | None = None
+    pending: deque = field(default_factory=deque)  # drawn or to regenerate, not started
+    running: dict[Any, Running] = field(default_factory=dict)  # handle -> what it runs
+    finished: dict[int, tuple[Job, Any]] = field(default_factory=dict)  # ticket index -> (job, result)
+    queued_version: list[int | None] = field(default_factory=list)  # per worker: the last snapshot queued on it
+    counters: dict[str, int] = field(default_factory=lambda: {"regenerated": 0, "restarts": 0})
+
+    def __post_init__(self) -> None:
+        self.queued_version = [None] * self.backend.size
+
+    def publish(self, snapshot: Snapshot) -> None:
+        """The newest snapshot: workers load it before the next group each of them starts."""
+        self.snapshot = snapshot
+
+    def take(self, step: int) -> tuple[list[tuple[Job, Any]], Taken]:
+        """The learner's step `step` (its version: `step` updates made): its B groups and their results, in
+        prompt (key) order."""
+        if self.snapshot is None:
+            raise WorkersError("no policy snapshot was published before the first step's rollouts")
+        while True:
+            self.fill(step)
+            if self.admission.can_take():
+                break
+            done = self.backend.wait(list(self.running), self.timeout_s)
+            if not done:
+                raise WorkersError(f"step {step}: no rollout group finished within {self.timeout_s:g} s "
+                                   f"({len(self.running)} running on {self.backend.size} workers)")
+            for handle in done:
+                self.collect(handle)
+        taken = self.admission.take(step)
+        # within the step, in prompt order (a regenerated group started later than its neighbours)
+        order = sorted(range(len(taken.tickets)), key=lambda i: taken.tickets[i].key)
+        taken = Taken(step, [taken.tickets[i] for i in order], [taken.lags[i] for i in order])
+        return [self.finished.pop(t.index) for t in taken.tickets], taken
+
+    def fill(self, version: int) -> None:
+        """Start groups while admission allows, each on the worker with the fewest queued."""
+        while self.admission.free(version) > 0:
+            if not self.pending:
+                self.pending.extend(self.draw())
+            job = self.pending.popleft()
+            worker = min(range(self.backend.size), key=lambda w: (self.queued_on(w), w))
+            if self.queued_version[worker] != self.snapshot.version:
+                self.backend.load(worker, self.snapshot)
+                self.queued_version[worker] = self.snapshot.version
+            ticket = self.admission.start(job.key, self.snapshot.step)
+            self.running[self.backend.submit(worker, job)] = Running(worker, ticket, job)
+
+    def queued_on(self, worker: int) -> int:
+        return sum(r.worker == worker for r in self.running.values())
+
+    def collect(self, handle: Any) -> None:
+        """A finished handle: accepted with its result, or failed and queued again (front), its slot released."""
+        run = self.running.pop(handle)
+        try:
+            result = self.backend.result(handle)
+        except WorkerDied:
+            self.lost_worker(run)
+            return
+        except (WorkersError, ChecksumMismatch):
+            raise  # not a group's failure: the run cannot go on as it is
+        except Exception:  # the group failed on a live worker: try it again
+            self.admission.finish(run.ticket, "failed")
+            self.regenerate([run.job])
+            return
+        made = getattr(result, "step", run.ticket.version)
+        if made != run.ticket.version:
+            raise WorkersError(f"group {run.job.key!r} was started at policy step {run.ticket.version} but generated "
+                               f"from step {made}: a worker did not load the snapshot queued for it")
+        self.admission.finish(run.ticket, "accepted")
+        self.finished[run.ticket.index] = (run.job, result)
+
+    def lost_worker(self, run: Running) -> None:
+        """A worker died: every group queued on it failed (started again, in their order); it restarts once."""
+        lost = [run] + [self.running.pop(h) for h, r in list(self.running.items()) if r.worker == run.worker]
+        lost.sort(key=lambda r: r.ticket.index)
+        for r in lost:
+            self.admission.finish(r.ticket, "failed")
+        self.regenerate([r.job for r in lost])
+        self.backend.restart(run.worker)
+        self.queued_version[run.worker] = None
+        self.counters["restarts"] += 1
+
+    def regenerate(self, jobs: list[Job]) -> None:
+        """`jobs` at the front of the queue, in their order."""
+        self.counters["regenerated"] += len(jobs)
+        self.pending.extendleft(reversed(jobs))
+
+    def close(self) -> list[Job]:
+        """Stop: every running group cancelled; the jobs not trained on (running, finished, pending), in order."""
+        cancelled = {t.index for t in self.admission.cancel_all()}
+        left = sorted([(r.ticket.index, r.job) for r in self.running.values() if r.ticket.index in cancelled]
+                      + [(i, job) for i, (job, _) in self.finished.items()], key=lambda x: x[0])
+        self.running.clear()
+        self.finished.clear()
+        return [job for _, job in left] + list(self.pending)

@@ -1,0 +1,170 @@
+"""The asynchronous rollout pipeline (dllm_rl/workers/pipeline.py) over simulated workers with a virtual clock:
+S = 0 is the synchronous loop; at S > 0 every lag stays in [0, S] and reaches S; every prompt is trained on exactly
+once and in order, through failed groups, a killed worker and its restart; what cannot go on is named."""
+
+from dataclasses import dataclass
+
+import pytest
+
+from dllm_rl.workers.admission import Admission, AdmissionError
+from dllm_rl.workers.pipeline import Job, Pipeline, WorkerDied
+from dllm_rl.workers.ray_pool import WorkersError
+from dllm_rl.workers.versions import ChecksumMismatch, Snapshot
+
+
+@dataclass
+class Made:
+    key: int
+    step: int  # the snapshot step the worker had loaded
+
+
+class SimulatedWorkers:
+    """Workers that run their queue in order on a virtual clock: a load takes `load_t`, a group `duration(w, job)`;
+    the clock moves in `wait` (to the next finish) and `advance` (the learner training). `kill_at` = (time,
+    worker): everything queued on it that finishes later is lost (WorkerDied)."""
+
+    def __init__(self, size, duration, load_t=0.5, kill_at=None, failing=(), restart_t=2.0):
+        self.size, self.duration, self.load_t, self.kill_at = size, duration, load_t, kill_at
+        self.failing, self.restart_t = set(failing), restart_t
+        self.clock, self.free_at, self.loaded = 0.0, [0.0] * size, [None] * size
+        self.items, self.next_handle, self.submitted = {}, 0, []
+
+    def _queue(self, worker, seconds):
+        self.free_at[worker] = max(self.clock, self.free_at[worker]) + seconds
+        return self.free_at[worker]
+
+    def load(self, worker, snapshot):
+        self._queue(worker, self.load_t)
+        self.loaded[worker] = snapshot
+
+    def submit(self, worker, job):
+        self.next_handle += 1
+        finish = self._queue(worker, self.duration(worker, job))
+        self.items[self.next_handle] = (worker, job, finish, self.loaded[worker])
+        self.submitted.append(job.key)
+        return self.next_handle
+
+    def wait(self, handles, timeout_s):
+        first = min(self.items[h][2] for h in handles)
+        if first > self.clock + timeout_s:
+            self.clock += timeout_s
+            return []
+        self.clock = max(self.clock, first)
+        return [h for h in handles if self.items[h][2] <= self.clock]
+
+    def result(self, handle):
+        worker, job, finish, snapshot = self.items.pop(handle)
+        if self.kill_at is not None and worker == self.kill_at[1] and finish > self.kill_at[0]:
+            raise WorkerDied(f"worker {worker} died")
+        if job.key in self.failing:
+            raise ValueError(f"group {job.key} always fails")
+        return Made(job.key, snapshot.step)
+
+    def restart(self, worker):
+        if self.kill_at is not None and worker == self.kill_at[1]:
+            self.kill_at = None  # the new process lives
+        self.free_at[worker] = self.clock + self.restart_t
+        self.loaded[worker] = None
+
+    def advance(self, seconds):
+        self.clock += seconds
+
+
+def drawer(batch):
+    """Each call: the next step's `batch` prompts (keys 0, 1, 2, ...)."""
+    state = {"next": 0, "step": 0}
+
+    def draw():
+        jobs = [Job(state["next"] + i, state["step"], None) for i in range(batch)]
+        state["next"] += batch
+        state["step"] += 1
+        return jobs
+
+    return draw
+
+
+def run(workers, S, steps, batch=4, train_t=3.0, max_failures=3):
+    """The learner's loop: publish, take, train; returns the taken keys and lags per step, and the pipeline."""
+    pipe = Pipeline(workers, Admission(batch, S, max_failures=max_failures), drawer(batch), timeout_s=100.0)
+    keys, lags = [], []
+    for step in range(steps):
+        pipe.publish(Snapshot(step + 1, step, ref=None, checksum="c"))
+        groups, taken = pipe.take(step)
+        assert [made.key for _, made in groups] == [job.key for job, _ in groups]
+        assert [made.step for _, made in groups] == [t.version for t in taken.tickets]
+        keys.append([job.key for job, _ in groups])
+        lags.append(taken.lags)
+        workers.advance(train_t)
+    return keys, lags, pipe
+
+
+def test_s0_is_the_synchronous_loop():
+    workers = SimulatedWorkers(2, duration=lambda w, job: 1.0 + (job.key % 3))
+    keys, lags, pipe = run(workers, S=0, steps=5)
+    assert keys == [[4 * s + i for i in range(4)] for s in range(5)]
+    assert all(lag == 0 for step in lags for lag in step)
+    assert workers.submitted == list(range(20))  # nothing started ahead of its step
+
+
+@pytest.mark.parametrize("S", [1, 2, 4])
+def test_lags_stay_within_s_and_reach_it_while_every_prompt_is_trained_once_in_order(S):
+    workers = SimulatedWorkers(3, duration=lambda w, job: 0.5 + (job.key * 7 % 5) * (1 + 2 * (w == 0)))
+    keys, lags, pipe = run(workers, S=S, steps=12, train_t=6.0)
+    flat = [lag for step in lags for lag in step]
+    assert all(0 <= lag <= S for lag in flat) and max(flat) == S
+    assert [k for step in keys for k in step] == list(range(48))
+    assert pipe.admission.violations == 0
+
+
+def test_a_killed_worker_loses_its_queue_which_is_regenerated_and_it_restarts():
+    workers = SimulatedWorkers(2, duration=lambda w, job: 1.0, kill_at=(5.0, 1))
+    keys, lags, pipe = run(workers, S=2, steps=6)
+    assert sorted(k for step in keys for k in step) == list(range(24))  # each prompt once
+    assert all(step == sorted(step) for step in keys)  # in prompt order within a step
+    assert keys != [list(range(4 * s, 4 * s + 4)) for s in range(6)]  # a regenerated group moved to a later step
+    assert pipe.counters["restarts"] == 1 and pipe.counters["regenerated"] >= 1
+    assert all(0 <= lag <= 2 for step in lags for lag in step)
+    assert pipe.admission.outcomes["failed"] == pipe.counters["regenerated"]
+
+
+def test_at_s0_a_killed_worker_changes_nothing_but_the_time():
+    plain = run(SimulatedWorkers(2, duration=lambda w, job: 1.0), S=0, steps=5)[0]
+    killed, _, pipe = run(SimulatedWorkers(2, duration=lambda w, job: 1.0, kill_at=(2.5, 0)), S=0, steps=5)
+    assert killed == plain and pipe.counters["restarts"] == 1
+
+
+def test_a_group_that_always_fails_stops_the_run_by_name():
+    workers = SimulatedWorkers(2, duration=lambda w, job: 1.0, failing={5})
+    with pytest.raises(AdmissionError, match=r"group 5 failed 3 times"):
+        run(workers, S=1, steps=4)
+
+
+def test_workers_that_never_finish_are_a_named_timeout():
+    workers = SimulatedWorkers(2, duration=lambda w, job: 1e9)
+    with pytest.raises(WorkersError, match=r"step 0: no rollout group finished within 100 s \(4 running on 2"):
+        run(workers, S=0, steps=1)
+
+
+def test_a_worker_that_loaded_another_snapshot_or_a_corrupt_one_is_named():
+    class Stale(SimulatedWorkers):
+        def result(self, handle):
+            made = super().result(handle)
+            return Made(made.key, made.step - 1)
+
+    with pytest.raises(WorkersError, match="did not load the snapshot queued for it"):
+        run(Stale(1, duration=lambda w, job: 1.0), S=0, steps=2)
+
+    class Corrupt(SimulatedWorkers):
+        def result(self, handle):
+            raise ChecksumMismatch("policy version 1 (step 0): the loaded weights have checksum x")
+
+    with pytest.raises(ChecksumMismatch):
+        run(Corrupt(1, duration=lambda w, job: 1.0), S=0, steps=1)
+
+
+def test_close_cancels_and_returns_the_untrained_groups_in_order():
+    workers = SimulatedWorkers(2, duration=lambda w, job: 1.0 + job.key % 2)
+    keys, _, pipe = run(workers, S=2, steps=2)
+    left = pipe.close()
+    assert [job.key for job in left] == list(range(8, 8 + len(left))) and len(left) >= 8
+    assert not pipe.admission.running and pipe.admission.free(2) > 0
