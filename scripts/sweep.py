@@ -15,10 +15,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def launch(path: Path, overrides: list[str], threads: int) -> None:
-    """`dllm-rl train run_dir=path *overrides`, or `resume=path` where the run has a checkpoint; its output goes
-    to path.log beside the run."""
+    """`dllm-rl train run_dir=path *overrides`, or `resume=path` where a run was started there (from its last
+    checkpoint, or again from the start where it stopped before its first); its output goes to path.log beside
+    the run."""
     command = [sys.executable, "-m", "dllm_rl.cli", "train", f"run_dir={path}", *overrides]
-    if (path / "checkpoints").is_dir():  # an interrupted run: continue it
+    if (path / "config.json").is_file():  # an interrupted run: continue it
         command = [sys.executable, "-m", "dllm_rl.cli", "train", f"resume={path}"]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TQDM_DISABLE": "1"}
     path.parent.mkdir(parents=True, exist_ok=True)
