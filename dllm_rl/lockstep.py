@@ -28,7 +28,7 @@ stage below 3) it only runs the estimator.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 

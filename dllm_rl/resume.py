@@ -33,7 +33,7 @@ RESUME_SAFE_KEYS = ("steps", "eval_every", "eval_prompts", "eval_samples", "eval
                     "logger.name", "logger.project", "logger.entity", "logger.run_name", "logger.tags", "logger.mode",
                     # where rollouts are generated: the same rollouts either way (dllm_rl/workers/remote.py)
                     "workers.count", "workers.address", "workers.threads", "workers.cpus", "workers.timeout_s",
-                    "workers.object_store_mb")
+                    "workers.object_store_mb", "workers.max_staleness")
 # What no resume can change, not even with allow_changes: the shape of the trained adapter, whose weights and
 # optimizer state the checkpoint holds (switching LoRA on or off included). A new run from the checkpoint can.
 ADAPTER_SHAPE_KEYS = ("lora.r", "lora.target_modules")

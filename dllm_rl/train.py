@@ -75,7 +75,10 @@ from dllm_rl.stages import (ExternalRollouts, SamplerCorrectionStage, assign_adv
 from dllm_rl.tracking import NullTracker, PhaseTimer, Tracker, console_line, run_header
 from dllm_rl.train_config import TrainConfig, engine_options, split_algo
 from dllm_rl.workers.config import WorkersConfig
-from dllm_rl.workers.remote import build_remote_rollouts
+from dllm_rl.workers.pipelined import PipelinedRollouts
+from dllm_rl.workers.ray_pool import RayStore
+from dllm_rl.workers.remote import build_remote_rollouts, start_workers
+from dllm_rl.workers.versions import Publisher
 
 def writable_directory(path: Path) -> None:
     """Make `path` (and its parents) or stop with a named error, before anything is loaded."""
@@ -250,7 +253,7 @@ def setup(task: Task, cfg: TrainConfig, print_fn, saved_config: dict | None, all
     learned = load_learner(cfg, world, ds_options, checkpoint, with_reference=loss_options.get("beta", 0.0) > 0,
                            device=device)
     state = {"step": 0, "data_position": 0, "bad_steps": 0, "external_baseline": 0.0, "curation": {},
-             "policy_version": 0}
+             "policy_version": 0, "trained_after": []}
     if checkpoint is not None:
         state = {**state, **load_trainer_state(checkpoint, learned.engine, learned.scheduler)}
     resumed_at = state["step"] if checkpoint is not None else (-1 if restart else None)  # logs are cut back to it
@@ -314,10 +317,10 @@ def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned,
                       autocast, cfg.ref_sync_every, cfg.max_bad_steps, bad_steps=state["bad_steps"],
                       micro_rows=cfg.micro_batch_rows, micro_forwards=cfg.micro_batch_forwards)
     rollouts = InProcessRollouts(sampler, estimator, cfg.seed, generating)
-    if cfg.workers["count"] > 0:
-        rollouts = build_remote_rollouts(WorkersConfig(**cfg.workers), cfg.model, cfg.sampler,
-                                         resolve_bf16(cfg.bf16, policy.device), cfg.trust_remote_code, learned.net.state_dict,
-                                         rollouts, tokenizer.pad_token_id, version=state["policy_version"])
+    collect = CollectRollouts(prompts, rollouts, task, curation, dp, pad_id=tokenizer.pad_token_id)
+    workers = WorkersConfig(**cfg.workers)
+    if workers.count > 0:
+        collect = remote_collect(cfg, workers, task, learned, rollouts, prompts, collect, state)
     held_out = HeldOut(greedy, sampler, task, tokenizer, cfg.eval_prompts, cfg.eval_samples, cfg.seed, generating)
     if mixer is not None and cfg.eval_every > 0 and cfg.eval_external_samples > 0:
         held_out.external_solved = external_solves(mixer.source, task, held_out.examples(), cfg.eval_external_samples,
@@ -326,7 +329,7 @@ def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned,
     return Run(
         cfg, task, dp, run_dir, tracker, learned, state,
         prompts=prompts,
-        collect=CollectRollouts(prompts, rollouts, task, curation, dp, pad_id=tokenizer.pad_token_id),
+        collect=collect,
         curation=curation,
         external=external,
         advantages=functools.partial(assign_advantages, advantage=advantage, mixer=mixer, dp=dp),
@@ -341,6 +344,23 @@ def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned,
         learner=learner,
         held_out=held_out,
         mixer=mixer, print_fn=print_fn)
+
+
+def remote_collect(cfg: TrainConfig, workers: WorkersConfig, task, learned: Learned, rollouts: InProcessRollouts,
+                   prompts: PromptSource, collect: CollectRollouts, state: dict[str, Any]):
+    """The collect stage with rollout workers: synchronous (S = 0, the in-process stage's rollouts from Ray
+    actors) or asynchronous (S > 0, prompts drawn ahead; dllm_rl/workers/pipelined.py)."""
+    bf16 = resolve_bf16(cfg.bf16, learned.policy.device)
+    if workers.max_staleness == 0:
+        collect.rollouts = build_remote_rollouts(workers, cfg.model, cfg.sampler, bf16, cfg.trust_remote_code,
+                                                 learned.net.state_dict, rollouts, learned.tokenizer.pad_token_id,
+                                                 version=state["policy_version"])
+        return collect
+    pool, owns = start_workers(workers, cfg.model, cfg.sampler, bf16, cfg.trust_remote_code)
+    return PipelinedRollouts(prompts, rollouts, pool, Publisher(RayStore(), version=state["policy_version"]),
+                             learned.net.state_dict, task, cfg.group_size, workers.max_staleness,
+                             learned.tokenizer.pad_token_id, owns_ray=owns, step=state["step"],
+                             skip=set(state["trained_after"]))
 
 
 def train(task: Task, *, saved_config: dict[str, Any] | None = None, allow_changes: bool = False,
@@ -412,14 +432,28 @@ def run_step(run: Run, step: int, timer: PhaseTimer) -> tuple[StepBatch, dict[st
     return batch, step_metrics(batch, update_metrics, timer.metrics(), dp)
 
 
+def rollout_stage(run: Run):
+    """What generates the rollouts: the collect stage's rollouts, or an asynchronous collect stage itself."""
+    return getattr(run.collect, "rollouts", run.collect)
+
+
 def policy_version(run: Run) -> int:
     """The policy version published to rollout workers so far (0 with in-process rollouts)."""
-    publisher = getattr(getattr(run.collect, "rollouts", None), "publisher", None)
+    publisher = getattr(rollout_stage(run), "publisher", None)
     return publisher.version if publisher is not None else run.state.get("policy_version", 0)
 
 
+def drawn_ahead(run: Run) -> dict[str, Any]:
+    """With asynchronous rollouts, where a resume draws prompts again (dllm_rl/workers/pipelined.py)."""
+    resume_state = getattr(rollout_stage(run), "resume_state", None)
+    if resume_state is None:
+        return {}
+    where = resume_state()
+    return {"data_position": where["position"], "trained_after": where["trained_after"]}
+
+
 def close_rollouts(run: Run) -> None:
-    close = getattr(getattr(run.collect, "rollouts", None), "close", None)
+    close = getattr(rollout_stage(run), "close", None)
     if close is not None:
         close()
 
@@ -439,6 +473,7 @@ def record_step(run: Run, step: int, batch: StepBatch, metrics: dict[str, float]
     state.update(step=done, data_position=run.prompts.position, bad_steps=learner.bad_steps,
                  external_baseline=run.mixer.baseline if run.mixer is not None else 0.0,
                  curation=run.curation.state_dict(), policy_version=policy_version(run))
+    state.update(drawn_ahead(run))  # asynchronous rollouts draw prompts ahead of the step
     if cfg.eval_every > 0 and (done % cfg.eval_every == 0 or done == cfg.steps):
         metrics.update(run.held_out())
     run.tracker.log(done, metrics)

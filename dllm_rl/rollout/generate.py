@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+import torch
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM
 

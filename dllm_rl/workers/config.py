@@ -17,10 +17,12 @@ class WorkersConfig:
     cpus: float = 1.0  # logical CPUs Ray reserves per worker
     timeout_s: float = 600.0  # the longest wait for the workers (a load, a step's rollouts): then a named error
     object_store_mb: int = 256  # a local Ray's object store (shared memory), in MiB
+    max_staleness: int = 0  # S: policy versions a group may lag the step that trains on it (0 = synchronous)
 
     def __post_init__(self) -> None:
         for key, ok, expected in (("count", self.count >= 0, ">= 0 (0 = in-process rollouts)"),
                                   ("threads", self.threads >= 1, ">= 1"), ("cpus", self.cpus > 0, "> 0"),
                                   ("timeout_s", self.timeout_s > 0, "> 0"),
+                                  ("max_staleness", self.max_staleness >= 0, ">= 0 (0 = synchronous)"),
                                   ("object_store_mb", self.object_store_mb >= 80, ">= 80 (Ray's minimum is 75 MiB)")):
             require(ok, f"workers.{key} must be {expected}, got {getattr(self, key)!r}")

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from dllm_rl.workers.admission import Admission, Taken, Ticket
-from dllm_rl.workers.ray_pool import WorkersError
+from dllm_rl.workers.errors import WorkerDied, WorkersError
 from dllm_rl.workers.versions import ChecksumMismatch, Snapshot
 
 
@@ -33,10 +33,6 @@ class Job:
     key: int
     drawn_step: int
     payload: Any
-
-
-class WorkerDied(RuntimeError):
-    """A backend's failure of a worker process (not of one group): its queued work is lost, it must restart."""
 
 
 class Backend(Protocol):
@@ -85,8 +81,10 @@ class Pipeline:
     def take(self, step: int) -> tuple[list[tuple[Job, Any]], Taken]:
         """The learner's step `step` (its version: `step` updates made): its B groups and their results, in
         prompt (key) order."""
-        if self.snapshot is None:
-            raise WorkersError("no policy snapshot was published before the first step's rollouts")
+        if self.snapshot is None or self.snapshot.step != step:
+            raise WorkersError(f"step {step}: the learner's snapshot of this step was not published (the newest is "
+                               f"of step {None if self.snapshot is None else self.snapshot.step}); staleness is "
+                               f"counted in updates, so every step publishes before it takes its groups")
         while True:
             self.fill(step)
             if self.admission.can_take():

@@ -18,17 +18,14 @@ version and update count they were generated from. Ray is imported only here, an
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
 from typing import Any, Sequence
 
 import torch
 
-from dllm_rl.errors import RunStopped
+from dllm_rl.workers.errors import WorkerDied, WorkersError
 from dllm_rl.workers.versions import Snapshot, load_verified
-
-
-class WorkersError(RunStopped):
-    """Ray did not start, or the rollout workers cannot go on (all gone, timed out): named, never a hang."""
 
 
 def start_ray(address: str | None = None, num_cpus: int | None = None, object_store_mb: int = 256,
@@ -138,6 +135,9 @@ class RolloutWorker:
     def version(self) -> int | None:
         return None if self.snapshot is None else self.snapshot.version
 
+    def pid(self) -> int:
+        return os.getpid()
+
 
 class WorkerPool:
     """`count` rollout actors of one kind, each reserving `cpus` logical CPUs; every call waits at most
@@ -149,8 +149,9 @@ class WorkerPool:
 
         if count < 1:
             raise ValueError(f"count={count}: a pool has at least one worker")
-        actor = ray.remote(num_cpus=cpus)(RolloutWorker)
-        self.actors = [actor.remote(model, sampler, bf16, threads, trust_remote_code) for _ in range(count)]
+        self.start = lambda: ray.remote(num_cpus=cpus)(RolloutWorker).remote(model, sampler, bf16, threads,
+                                                                             trust_remote_code)
+        self.actors = [self.start() for _ in range(count)]
         self.timeout_s = timeout_s
 
     def wait(self, refs: list, what: str) -> list:
@@ -170,9 +171,61 @@ class WorkerPool:
         refs = [self.actors[i % len(self.actors)].generate.remote(p, s) for i, (p, s) in enumerate(chunks)]
         return self.wait(refs, f"{len(chunks)} rollout chunks")
 
+    def restart(self, worker: int) -> None:
+        """A fresh actor in place of worker `worker` (dead, or to be replaced); it has no snapshot loaded."""
+        import ray
+
+        ray.kill(self.actors[worker], no_restart=True)
+        self.actors[worker] = self.start()
+
     def close(self) -> None:
         import ray
 
         for actor in self.actors:
             ray.kill(actor)
         self.actors = []
+
+
+class RayBackend:
+    """The asynchronous pipeline's backend (dllm_rl/workers/pipeline.py) over a pool's actors: a load and a group
+    are actor calls, which an actor runs in the order they were made; a group's result is read after the load
+    queued before it, so a snapshot that failed its checksum is named (`ChecksumMismatch`), and a dead actor's
+    calls fail as `WorkerDied`. A job's payload is (prompts, seeds)."""
+
+    def __init__(self, pool: WorkerPool):
+        self.pool = pool
+        self.size = len(pool.actors)
+        self.last_load: list[Any] = [None] * self.size
+        self.load_before: dict[Any, Any] = {}  # group handle -> the load call queued before it
+
+    def load(self, worker: int, snapshot: Snapshot) -> None:
+        self.last_load[worker] = self.pool.actors[worker].load.remote(snapshot)
+
+    def submit(self, worker: int, job) -> Any:
+        prompts, seeds = job.payload
+        handle = self.pool.actors[worker].generate.remote(prompts, seeds)
+        self.load_before[handle] = self.last_load[worker]
+        return handle
+
+    def wait(self, handles: list, timeout_s: float) -> list:
+        import ray
+
+        ready, _ = ray.wait(handles, num_returns=1, timeout=timeout_s)
+        if not ready:
+            return []
+        return ray.wait(handles, num_returns=len(handles), timeout=0)[0]
+
+    def result(self, handle: Any) -> Generated:
+        import ray
+
+        load = self.load_before.pop(handle, None)
+        try:
+            if load is not None:
+                ray.get(load)
+            return ray.get(handle)
+        except ray.exceptions.RayActorError as error:
+            raise WorkerDied(f"a rollout worker died: {type(error).__name__}") from None
+
+    def restart(self, worker: int) -> None:
+        self.pool.restart(worker)
+        self.last_load[worker] = None

@@ -6,7 +6,7 @@ rollout keeps its seed (seed, "rollout", step, prompt id, rollout index), so the
 with in-process rollouts: the same tokens from the same weights (tested). The sampler's own per-token
 log-probabilities agree to about 1e-6, not bitwise (a worker's batch has other prompts, so other padding): a run
 that reads them (`likelihood=ordered` with `replay_rollout_logp`, the Sparse-RL correction) is equal to that
-precision. Bounded staleness (S > 0), pipelining and worker faults build on `admission.py` and are not in yet.
+precision. Bounded staleness (S > 0) is `pipelined.py`.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import torch
 from dllm_rl.buffer import Rows, concat_rows
 from dllm_rl.collect import InProcessRollouts, StepBatch, rollout_keys, rollout_metrics
 from dllm_rl.workers.config import WorkersConfig
-from dllm_rl.workers.ray_pool import RayStore, WorkerPool, WorkersError, start_ray, stop_ray
+from dllm_rl.workers.errors import WorkersError
+from dllm_rl.workers.ray_pool import RayStore, WorkerPool, start_ray, stop_ray
 from dllm_rl.workers.versions import Publisher
 
 
@@ -104,11 +105,10 @@ def ray_temp_dir() -> str:
     return tempfile.mkdtemp(prefix="dllm-ray-", dir=base if len(base) <= 30 else "/tmp")
 
 
-def build_remote_rollouts(config: WorkersConfig, model: str, sampler: dict[str, Any], bf16: bool,
-                          trust_remote_code: bool, weights: Callable[[], dict[str, torch.Tensor]],
-                          local: InProcessRollouts, pad_id: int, version: int = 0) -> RemoteRollouts:
-    """Ray (joined at `config.address`, or a local one unless this process has one already), the pool, the
-    publisher (continuing at `version` after a resume)."""
+def start_workers(config: WorkersConfig, model: str, sampler: dict[str, Any], bf16: bool,
+                  trust_remote_code: bool) -> tuple[WorkerPool, bool]:
+    """The pool, on Ray joined at `config.address` or a local one unless this process has one already; and
+    whether this run started Ray (then it stops it)."""
     import ray
 
     owns = not ray.is_initialized()
@@ -117,10 +117,17 @@ def build_remote_rollouts(config: WorkersConfig, model: str, sampler: dict[str, 
         start_ray(config.address, num_cpus=max(1, int(config.count * config.cpus + 0.999)),
                   object_store_mb=config.object_store_mb, temp_dir=temp)
     try:
-        pool = WorkerPool(config.count, model, sampler, bf16, threads=config.threads, cpus=config.cpus,
-                          timeout_s=config.timeout_s, trust_remote_code=trust_remote_code)
+        return WorkerPool(config.count, model, sampler, bf16, threads=config.threads, cpus=config.cpus,
+                          timeout_s=config.timeout_s, trust_remote_code=trust_remote_code), owns
     except Exception:
         if owns:
             stop_ray()
         raise
+
+
+def build_remote_rollouts(config: WorkersConfig, model: str, sampler: dict[str, Any], bf16: bool,
+                          trust_remote_code: bool, weights: Callable[[], dict[str, torch.Tensor]],
+                          local: InProcessRollouts, pad_id: int, version: int = 0) -> RemoteRollouts:
+    """Synchronous workers: the pool, and the publisher continuing at `version` after a resume."""
+    pool, owns = start_workers(config, model, sampler, bf16, trust_remote_code)
     return RemoteRollouts(pool, Publisher(RayStore(), version=version), weights, local, pad_id, owns_ray=owns)

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import pytest
 
 from dllm_rl.workers.admission import Admission, AdmissionError
-from dllm_rl.workers.pipeline import Job, Pipeline, WorkerDied
+from dllm_rl.workers.errors import WorkerDied
+from dllm_rl.workers.pipeline import Job, Pipeline
 from dllm_rl.workers.ray_pool import WorkersError
 from dllm_rl.workers.versions import ChecksumMismatch, Snapshot
 
@@ -160,6 +161,16 @@ def test_a_worker_that_loaded_another_snapshot_or_a_corrupt_one_is_named():
 
     with pytest.raises(ChecksumMismatch):
         run(Corrupt(1, duration=lambda w, job: 1.0), S=0, steps=1)
+
+
+def test_a_step_without_its_snapshot_is_named():
+    pipe = Pipeline(SimulatedWorkers(1, duration=lambda w, job: 1.0), Admission(2, 1), drawer(2))
+    with pytest.raises(WorkersError, match="step 0: the learner's snapshot of this step was not published"):
+        pipe.take(0)
+    pipe.publish(Snapshot(1, 0, ref=None, checksum="c"))
+    pipe.take(0)
+    with pytest.raises(WorkersError, match=r"step 1: .* \(the newest is of step 0\)"):
+        pipe.take(1)
 
 
 def test_close_cancels_and_returns_the_untrained_groups_in_order():

@@ -1,0 +1,119 @@
+"""`workers.max_staleness=S` > 0: asynchronous rollouts. The workers keep generating the next steps' groups while
+the learner trains (ECHO-2's overlap), each group at most S policy versions behind the step that trains on it
+(dllm_rl/workers/admission.py says why the bound holds, dllm_rl/workers/pipeline.py how groups are started and
+collected). This stage replaces `CollectRollouts`: it returns the step's batch of verified on-policy groups.
+
+Off-policy choice: a group generated at version v < step is scored for its old log-probs by the current policy (the
+"proximal" policy of decoupled PPO: the clipped ratio is taken against it), and the distance to the policy that
+actually sampled it is corrected by the Sparse-RL stage (dllm_rl/algo/correction.py) against the per-token
+log-probs the worker's sampler recorded: the `ordered` estimator, by the learner at its current version, truncated
+(`sampler_correction.mode=weight|both`, required here) with the effective sample size logged.
+
+Prompts are drawn ahead, in the run's one stream of prompts; a group's rollouts draw from seeds of the step it was
+drawn for, so at any S a group is the same rollouts whatever worker makes it, from the same weights. A
+checkpoint keeps the first prompt not yet trained on and those after it already trained on (a regenerated group can
+be trained on after later ones); a resumed run draws again from there and skips those, regenerating what was in
+flight from its seeds, at the resumed policy's version (so resume at S > 0 is not bit-exact: the in-flight groups
+come from newer weights than they would have).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from dllm_rl.buffer import concat_rows
+from dllm_rl.collect import (InProcessRollouts, PromptSource, StepBatch, group_records, rollout_metrics, verify)
+from dllm_rl.data.task import Task, render_prompt
+from dllm_rl.seeds import derive_seed
+from dllm_rl.workers.admission import Admission
+from dllm_rl.workers.pipeline import Job, Pipeline
+from dllm_rl.workers.ray_pool import RayBackend, WorkerPool, stop_ray
+from dllm_rl.workers.remote import moved
+from dllm_rl.workers.versions import Publisher
+
+
+@dataclass
+class PipelinedRollouts:
+    prompts: PromptSource
+    local: InProcessRollouts  # the seed contract and the rows' construction
+    pool: WorkerPool
+    publisher: Publisher
+    weights: Callable[[], dict[str, torch.Tensor]]
+    task: Task
+    group_size: int
+    max_staleness: int
+    pad_id: int
+    owns_ray: bool = False
+    step: int = 0  # the learner's step at the start (a resumed run's): admission counts its earlier groups as taken
+    skip: set[int] = field(default_factory=set)  # prompt ids trained on before a resume, beyond its position
+    drawn: dict[int, Any] = field(default_factory=dict)  # prompt id -> (Drawn, rendered prompt), not yet trained
+    pipeline: Pipeline | None = None
+
+    def __post_init__(self) -> None:
+        B = self.prompts.per_step
+        admission = Admission.resumed({"taken": self.step * B, "violations": 0}, B, self.max_staleness)
+        self.pipeline = Pipeline(RayBackend(self.pool), admission, self.draw, timeout_s=self.pool.timeout_s)
+
+    def draw(self) -> list[Job]:
+        """The next step's prompts of the stream, as jobs (prompts trained on before a resume are skipped)."""
+        jobs = []
+        while not jobs:
+            for d in self.prompts.draw(self.prompts.per_step):
+                if d.prompt_id in self.skip:
+                    continue
+                text = render_prompt(self.task.prompt(d.example), self.local.generator.tokenizer)
+                self.drawn[d.prompt_id] = (d, text)
+                step = d.prompt_id // self.prompts.per_step  # the step that draws it in the synchronous loop
+                seeds = [derive_seed(self.local.seed, "rollout", step, d.prompt_id, g) for g in range(self.group_size)]
+                jobs.append(Job(d.prompt_id, step, ([text] * self.group_size, seeds)))
+        return jobs
+
+    def __call__(self, step: int) -> StepBatch:
+        published = 0.0
+        if self.publisher.latest is None or self.publisher.latest.step != step:
+            start = time.perf_counter()
+            self.pipeline.publish(self.publisher.publish(self.weights(), step))
+            published = time.perf_counter() - start
+        start = time.perf_counter()
+        groups, taken = self.pipeline.take(step)
+        waited = time.perf_counter() - start
+        pairs = [self.drawn.pop(job.key) for job, _ in groups]
+        batch = StepBatch(step, [d.example for d, _ in pairs], [text for _, text in pairs],
+                          [d.prompt_id for d, _ in pairs], [self.group_size] * len(pairs),
+                          [d.example_id for d, _ in pairs], template=pairs[0][1])
+        parts = [self.local.rows_of(moved(made.samples, self.local.generator.model.device),
+                                    [(b, job.key, g) for g in range(self.group_size)], version=made.step)
+                 for b, (job, made) in enumerate(groups)]
+        rows = concat_rows(parts, self.pad_id)
+        rows.version = min(made.step for _, made in groups)  # replaying the sampler's log-probs needs the step's own
+        batch.rows["on_policy"] = rows
+        verify(batch, self.task)
+        batch.visits = group_records(batch)
+        adm = self.pipeline.admission
+        batch.metrics.update({**rollout_metrics(rows, float(sum(m.samples.forwards for _, m in groups))),
+                              "rollout/lag_max": float(taken.lag_max), "rollout/lag_mean": taken.lag_mean,
+                              "rollout/lag_violations": float(adm.violations),
+                              "rollout/regenerated": float(self.pipeline.counters["regenerated"]),
+                              "rollout/worker_restarts": float(self.pipeline.counters["restarts"]),
+                              "rollout/policy_version": float(self.publisher.version),
+                              "rollout/publish_s": published, "rollout/learner_wait_s": waited})
+        return batch
+
+    def resume_state(self) -> dict[str, Any]:
+        """Where a resumed run draws again: the first prompt not trained on, and those after it that were."""
+        untrained = sorted(self.drawn)
+        first = untrained[0] if untrained else self.prompts.position
+        done_after = sorted(q for q in range(first, self.prompts.position) if q not in self.drawn) + \
+            sorted(q for q in self.skip if q >= first)
+        return {"position": first, "trained_after": sorted(set(done_after))}
+
+    def close(self) -> None:
+        self.pipeline.close()
+        self.pool.close()
+        if self.owns_ray:
+            stop_ray()
+
