@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dllm_rl import cli, stages
+from dllm_rl import cli, learner
 from dllm_rl.checkpoint import latest_checkpoint
 from dllm_rl.data import build_task
 from dllm_rl.errors import ConfigError
@@ -190,13 +190,13 @@ def test_zero_variance_steps_complete_without_an_update(saved_model, tmp_path):
 
 
 def test_non_finite_losses_skip_updates_then_stop(saved_model, tmp_path, monkeypatch):
-    real = stages.grpo_loss
+    real = learner.grpo_loss
 
     def nan_loss(*args, **kwargs):
         loss, metrics = real(*args, **kwargs)
         return loss * float("nan"), metrics
 
-    monkeypatch.setattr(stages, "grpo_loss", nan_loss)
+    monkeypatch.setattr(learner, "grpo_loss", nan_loss)
     with pytest.warns(UserWarning, match="non-finite loss or gradient; update skipped"):
         with pytest.raises(RuntimeError, match="stopping: 2 non-finite updates in a row"):
             train(DigitShare(), model=saved_model, run_dir=str(tmp_path / "run"), steps=4, max_bad_steps=2, **SMALL)
