@@ -94,7 +94,8 @@ class Pipeline:
                 raise WorkersError(f"step {step}: no rollout group finished within {self.timeout_s:g} s "
                                    f"({len(self.running)} running on {self.backend.size} workers)")
             for handle in done:
-                self.collect(handle)
+                if handle in self.running:  # not already failed with its dead worker's queue
+                    self.collect(handle)
         taken = self.admission.take(step)
         # within the step, in prompt order (a regenerated group started later than its neighbours)
         order = sorted(range(len(taken.tickets)), key=lambda i: taken.tickets[i].key)

@@ -51,7 +51,9 @@ class SimulatedWorkers:
             self.clock += timeout_s
             return []
         self.clock = max(self.clock, first)
-        return [h for h in handles if self.items[h][2] <= self.clock]
+        dead = self.kill_at is not None and self.clock > self.kill_at[0]
+        # as Ray does: every call of a dead worker is ready (failed) at once
+        return [h for h in handles if self.items[h][2] <= self.clock or (dead and self.items[h][0] == self.kill_at[1])]
 
     def result(self, handle):
         worker, job, finish, snapshot = self.items.pop(handle)
