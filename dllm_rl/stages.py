@@ -28,10 +28,10 @@ keyed by (the global id of their prompt, their index among its rollouts), never 
 number of rollouts (0 leaves it out of the step), a filter may drop any rows (`Rows.select`), and every later
 stage works on the groups as they are. Where later capabilities go, without editing the other stages: a prompt
 filter or a rollout allocator decides the rollouts per prompt between "choose prompts" and "generate" (the same
-decision on every rank), a row filter runs after "verify"; rollouts from workers replace `InProcessRollouts` with
-any callable that returns on-policy `Rows` whose `version` is the policy that made them; a cached or parallel
-sampler is another `TextGenerator`-like object inside `InProcessRollouts` (anything with `sample(prompts, seeds)
--> Samples`).
+decision on every rank), a row filter runs after "verify"; rollouts from workers replace `InProcessRollouts`
+(`workers.count`: `RemoteRollouts`; with `workers.max_staleness` > 0, `PipelinedRollouts` replaces
+`CollectRollouts`; dllm_rl/workers/); a cached or parallel sampler is another `TextGenerator`-like object inside
+`InProcessRollouts` (anything with `sample(prompts, seeds) -> Samples`).
 
 Which rows are this rank's and where they sit among all ranks' rows is `dllm_rl.data_parallel`'s business;
 a stage that needs a global index reads it from `Rows.shard` or asks the `DataParallel` object it is given.
