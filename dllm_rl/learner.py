@@ -12,7 +12,7 @@ import functools
 import re
 import warnings
 from dataclasses import dataclass
-from typing import Any, ContextManager
+from typing import Any, Callable, ContextManager, Iterable
 
 import torch
 
@@ -82,13 +82,56 @@ class Learner:
             grad_norm = self.apply(aux, parts[0].ids_NL, batch.step)
             if grad_norm is not None:
                 losses.append({"policy/grad_norm": grad_norm})
+        return self.end_step(batch.step, losses, informative or bool(aux_parts), aux_measured)
+
+    def update_stream(self, groups: Iterable[StepBatch], prepare: Callable[[StepBatch], None]
+                      ) -> tuple[dict[str, float], list[StepBatch]]:
+        """Complete-group pipelining (RolloutPipe; one process, ZeRO stage 0, one inner iteration, one minibatch):
+        each group, as it arrives from `groups`, goes through `prepare` (external rows, advantages, scoring) and
+        straight into its forward and backward passes while the next is still generating; one optimizer step
+        when the last is in. The loss is the synchronous update's: each pass's sum over its units, the
+        accumulated gradient divided by the step's units once they are known (`Engine.stream_update`), so the
+        update equals `update`'s up to float rounding (tested). A group without signal makes no pass. Returns the
+        update's metrics and the groups, prepared and trained on."""
+        aggregation = self.loss_options.get("aggregation", "token")
+        seen: list[StepBatch] = []
+        measured: list[tuple[dict[str, float], float, float]] = []
+        units = [0.0]
+
+        def makers():
+            for group in groups:
+                prepare(group)
+                seen.append(group)
+                parts = list(group.rows.values())
+                if not any(bool(has_signal(p).any()) for p in parts):
+                    continue
+                picks = [torch.arange(len(p)) for p in parts]  # cpu: row indices, as the minibatch plan's
+                units[0] += sum(aggregation_units(*unit_inputs(p, rows, aggregation)) for p, rows in zip(parts, picks))
+                for piece in self.dp.pieces(parts, picks, self.micro_rows, self.micro_forwards):
+                    yield functools.partial(self.piece_loss, parts, piece, 0, 1.0, measured)
+
+        update = self.engine.stream_update(makers(), scale=lambda: 1.0 / max(units[0], 1.0))
+        losses = []
+        if update is not None and not update.applied:
+            self.bad_update(seen[0].step if seen else -1, update.skipped)
+        elif update is not None:
+            self.bad_steps = 0
+            merged = merge_piece_metrics(measured)
+            for key in ("loss/policy", "loss/kl"):  # each pass's sum over its units: the step's mean
+                merged[key] /= max(units[0], 1.0)
+            losses.append({**merged, "policy/grad_norm": update.grad_norm})
+        return self.end_step(seen[0].step, losses, update is not None, {}), seen
+
+    def end_step(self, step: int, losses: list[dict[str, float]], informative: bool,
+                 aux_measured: dict[str, float]) -> dict[str, float]:
+        """After the step's updates: the LR schedule, the reference sync, and the update metrics."""
         with warnings.catch_warnings():  # a step without an update still advances the schedule, on purpose
             warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
             self.scheduler.step()
-        if self.reference is not None and self.ref_sync_every > 0 and (batch.step + 1) % self.ref_sync_every == 0:
+        if self.reference is not None and self.ref_sync_every > 0 and (step + 1) % self.ref_sync_every == 0:
             self.engine.sync_reference(self.reference.model)
         out = {"policy/updates": float(len(losses)), "policy/lr": self.scheduler.get_last_lr()[0],
-               "policy/no_signal": float(not informative and not aux_parts), **aux_measured}
+               "policy/no_signal": float(not informative), **aux_measured}
         return {**out, **{k: sum(m[k] for m in losses) / len(losses) for k in (losses[0] if losses else {})}}
 
     def apply(self, makers: list, template_NL: torch.Tensor, step: int) -> float | None:

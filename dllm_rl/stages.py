@@ -29,8 +29,9 @@ number of rollouts (0 leaves it out of the step), a filter may drop any rows (`R
 stage works on the groups as they are. Where later capabilities go, without editing the other stages: a prompt
 filter or a rollout allocator decides the rollouts per prompt between "choose prompts" and "generate" (the same
 decision on every rank), a row filter runs after "verify"; rollouts from workers replace `InProcessRollouts`
-(`workers.count`: `RemoteRollouts`; with `workers.max_staleness` > 0, `PipelinedRollouts` replaces
-`CollectRollouts`; dllm_rl/workers/); a cached or parallel sampler is another `TextGenerator`-like object inside
+(`workers.count`: `RemoteRollouts`; with `workers.max_staleness` > 0 or `workers.pipe`, `PipelinedRollouts`
+replaces `CollectRollouts`, and with `workers.pipe` each group runs the stages from "external rollouts" to "update"
+alone as it arrives, dllm_rl/workers/pipe.py); a cached or parallel sampler is another `TextGenerator`-like object inside
 `InProcessRollouts` (anything with `sample(prompts, seeds) -> Samples`).
 
 Which rows are this rank's and where they sit among all ranks' rows is `dllm_rl.data_parallel`'s business;

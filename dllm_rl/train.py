@@ -75,6 +75,7 @@ from dllm_rl.stages import (ExternalRollouts, SamplerCorrectionStage, assign_adv
 from dllm_rl.tracking import NullTracker, PhaseTimer, Tracker, console_line, run_header
 from dllm_rl.train_config import TrainConfig, engine_options, split_algo
 from dllm_rl.workers.config import WorkersConfig
+from dllm_rl.workers.pipe import run_piped_step
 from dllm_rl.workers.pipelined import PipelinedRollouts
 from dllm_rl.workers.ray_pool import RayStore
 from dllm_rl.workers.remote import build_remote_rollouts, start_workers
@@ -349,9 +350,10 @@ def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned,
 def remote_collect(cfg: TrainConfig, workers: WorkersConfig, task, learned: Learned, rollouts: InProcessRollouts,
                    prompts: PromptSource, collect: CollectRollouts, state: dict[str, Any]):
     """The collect stage with rollout workers: synchronous (S = 0, the in-process stage's rollouts from Ray
-    actors) or asynchronous (S > 0, prompts drawn ahead; dllm_rl/workers/pipelined.py)."""
+    actors) or the pipeline (S > 0, prompts drawn ahead; or `workers.pipe`, groups streamed into the update at
+    any S; dllm_rl/workers/pipelined.py)."""
     bf16 = resolve_bf16(cfg.bf16, learned.policy.device)
-    if workers.max_staleness == 0:
+    if workers.max_staleness == 0 and not workers.pipe:
         collect.rollouts = build_remote_rollouts(workers, cfg.model, cfg.sampler, bf16, cfg.trust_remote_code,
                                                  learned.net.state_dict, rollouts, learned.tokenizer.pad_token_id,
                                                  version=state["policy_version"])
@@ -411,8 +413,11 @@ def run_steps(run: Run) -> dict[str, float]:
 
 
 def run_step(run: Run, step: int, timer: PhaseTimer) -> tuple[StepBatch, dict[str, float]]:
-    """One step's stages, each timed: rollouts, external rows and advantages, scoring, the update."""
+    """One step's stages, each timed: rollouts, external rows and advantages, scoring, the update (with
+    `workers.pipe`, each group's stages as it arrives: dllm_rl/workers/pipe.py)."""
     dp = run.dp
+    if run.cfg.workers["pipe"]:
+        return run_piped_step(run, step, timer)
     with timer("rollout"):
         batch = run.collect(step)  # choose prompts, allocate, generate, select, verify (rounds: dynamic sampling)
     with timer("external"):

@@ -174,6 +174,8 @@ class TrainConfig:
         check_kwargs(WorkersConfig, self.workers, "workers")
         check_types(WorkersConfig, self.workers, "workers")
         workers = WorkersConfig(**self.workers)
+        require(workers.count > 0 or not workers.pipe, "workers.pipe=true needs rollout workers (workers.count >= 1): "
+                "it trains on each group while the workers generate the others")
         if workers.count > 0:
             require(self.lora["r"] == 0, f"workers.count={workers.count} with lora.r={self.lora['r']}: rollout "
                     f"workers load full weights; LoRA runs generate in process (workers.count=0)")
@@ -188,9 +190,31 @@ class TrainConfig:
                         f"workers.max_staleness={workers.max_staleness} with curation={check_curation(self.curation)}: "
                         f"curation decides each step's prompts from the last step's groups, which asynchronous "
                         f"rollouts draw ahead of; use workers.max_staleness=0 with curation")
+            if workers.pipe:
+                self.check_pipe(workers)
             require(not self.deepspeed.get("bf16", False),
                     f"workers.count={workers.count} with deepspeed.bf16=true: workers hold fp32 weights and would "
                     f"not generate what the bf16 learner does; use bf16 autocast (bf16=auto|true) instead")
+
+    def check_pipe(self, workers: WorkersConfig) -> None:
+        """What complete-group pipelining needs: every stage before the update local to a group (named)."""
+        rows = self.prompts_per_step * self.group_size
+        for ok, what in (
+                (self.inner_iterations == 1 and self.minibatch_size >= rows,
+                 f"one update per step (inner_iterations={self.inner_iterations}, minibatch_size="
+                 f"{self.minibatch_size} for {rows} rows): set inner_iterations=1 minibatch_size={rows}"),
+                (not check_curation(self.curation), f"no curation (curation={check_curation(self.curation)} decides "
+                 f"over the whole step): set curation=none"),
+                (engine_options(self.deepspeed)[0].get("stage", 0) == 0,
+                 f"ZeRO stage 0 (deepspeed={self.deepspeed.get('name')!r} keeps gradients in partitions, which a "
+                 f"normaliser known only at the end cannot rescale): set deepspeed=zero0"),
+                (self.external.get("name") == "none" or self.mixing.get("statistic") != "running",
+                 f"no running external baseline (mixing.statistic={self.mixing.get('statistic')!r} moves by the whole "
+                 f"step's rewards): set mixing.statistic=constant"),
+                (self.external.get("name") == "none" or self.mixing.get("correction") != "is",
+                 "no external importance weights (mixing.correction='is' normalises over the whole step): set "
+                 "mixing.correction=none")):
+            require(ok, f"workers.pipe=true trains each group as it arrives and needs {what}, or workers.pipe=false")
 
     @property
     def sampler(self) -> dict[str, Any]:

@@ -24,11 +24,12 @@ import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
 from dllm_rl.engine.dist import World, any_rank, barrier
+from dllm_rl.errors import require
 from dllm_rl.policy.lora import has_adapters, record_base
 
 CHECKPOINT_TAG = "deepspeed"  # the sub-directory of a checkpoint holding DeepSpeed's (sharded) states
@@ -108,6 +109,39 @@ class Engine:
         if norm is None:
             return Update(False, skipped="non-finite gradient")
         return Update(True, grad_norm=norm)
+
+    def stream_update(self, makers: Iterable[Callable[[], torch.Tensor]], scale: Callable[[], float]) -> Update | None:
+        """One optimizer update from losses that arrive one at a time (complete-group pipelining): `makers` may
+        block until its next loss can be made, and how many there are is known only at the end. Each loss is
+        made and back-propagated in turn; then the accumulated gradient is multiplied by `scale()` (the loss
+        normaliser, known once every group is in), clipped and stepped. None when `makers` gave nothing (no
+        update, no step). Stage 0 with one process only: the gradient must be whole in `.grad` to be rescaled
+        after the fact (ZeRO 1-2 reduce it into their partitions at the accumulation boundary, and with several
+        ranks the boundary would have to be agreed before the last loss is known). A non-finite loss skips the
+        update as in `update`."""
+        require(self.stage == 0 and self.world.size == 1,
+                f"a streamed update needs ZeRO stage 0 in one process (got stage {self.stage}, {self.world.size} "
+                f"ranks)")
+        made, makers = 0, iter(makers)
+        for make in makers:
+            loss = make()
+            if not math.isfinite(float(loss.detach())):
+                del loss
+                self.ds.zero_grad()
+                for _ in makers:  # the rest still arrive (the step's groups are all taken), unused
+                    pass
+                return Update(False, skipped="non-finite loss")
+            self.backward(loss, boundary=False)
+            made += 1
+        if not made:
+            return None
+        self.ds.set_gradient_accumulation_boundary(True)
+        factor = scale()
+        for p in self.module.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor)
+        norm = self.step()
+        return Update(True, grad_norm=norm) if norm is not None else Update(False, skipped="non-finite gradient")
 
     def backward(self, loss: torch.Tensor, boundary: bool = True) -> None:
         """Back-propagate `loss` into the accumulated gradient; `boundary` marks the last pass before `step`."""

@@ -148,6 +148,19 @@ class Admission:
         self.taken += len(tickets)
         return Taken(step, tickets, lags)
 
+    def take_finished(self, step: int, remaining: int) -> Taken:
+        """Complete-group pipelining (RolloutPipe): the finished groups of step `step` that it may train on now,
+        `remaining` of its B groups not yet handed out. The step's groups are the first `remaining` accepted or
+        running ones in start order; a finished one among them stays among them (later starts come after it, and
+        an earlier one only leaves by failing), so it is handed out at once, before the groups started ahead of it.
+        Handing out the whole step this way gives the same groups as `take`."""
+        head = sorted([*self.ready, *self.running])[:remaining]
+        tickets = [self.ready.pop(i) for i in head if i in self.ready]
+        lags = [step - t.version for t in tickets]
+        self.violations += sum(not 0 <= lag <= self.max_staleness for lag in lags)
+        self.taken += len(tickets)
+        return Taken(step, tickets, lags)
+
     # ---------------------------------------------------------------------------------------------- resume
 
     def state_dict(self) -> dict[str, int]:

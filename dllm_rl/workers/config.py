@@ -18,6 +18,7 @@ class WorkersConfig:
     timeout_s: float = 600.0  # the longest wait for the workers (a load, a step's rollouts): then a named error
     object_store_mb: int = 256  # a local Ray's object store (shared memory), in MiB
     max_staleness: int = 0  # S: policy versions a group may lag the step that trains on it (0 = synchronous)
+    pipe: bool = False  # complete-group pipelining: each finished group's backward while the others generate
 
     def __post_init__(self) -> None:
         for key, ok, expected in (("count", self.count >= 0, ">= 0 (0 = in-process rollouts)"),

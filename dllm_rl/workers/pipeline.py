@@ -1,7 +1,8 @@
 """The asynchronous rollout pipeline: keeps rollout workers busy under bounded staleness and hands the learner each
 step's groups (ECHO-2's overlap of generation and training), over any backend that can queue work on workers.
 
-The learner drives it from one thread: `publish(snapshot)` after an update, `take(step)` before the next. `take`
+The learner drives it from one thread: `publish(snapshot)` after an update, `take(step)` before the next (or
+`stream(step)`, each of the step's groups as it finishes: complete-group pipelining). `take`
 starts as many groups as `Admission` allows (each on the least busy worker, after a load of the newest snapshot
 where that worker's queue does not hold it yet), then waits for finished groups until the step's B groups, in start
 order, are in. Work queued on a worker runs in order, so a group's version is the snapshot last queued on its
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 from dllm_rl.workers.admission import Admission, Taken, Ticket
 from dllm_rl.workers.errors import WorkerDied, WorkersError
@@ -81,26 +82,48 @@ class Pipeline:
     def take(self, step: int) -> tuple[list[tuple[Job, Any]], Taken]:
         """The learner's step `step` (its version: `step` updates made): its B groups and their results, in
         prompt (key) order."""
-        if self.snapshot is None or self.snapshot.step != step:
-            raise WorkersError(f"step {step}: the learner's snapshot of this step was not published (the newest is "
-                               f"of step {None if self.snapshot is None else self.snapshot.step}); staleness is "
-                               f"counted in updates, so every step publishes before it takes its groups")
+        self.check_published(step)
         while True:
             self.fill(step)
             if self.admission.can_take():
                 break
-            done = self.backend.wait(list(self.running), self.timeout_s)
-            if not done:
-                raise WorkersError(f"step {step}: no rollout group finished within {self.timeout_s:g} s "
-                                   f"({len(self.running)} running on {self.backend.size} workers)")
-            for handle in done:
-                if handle in self.running:  # not already failed with its dead worker's queue
-                    self.collect(handle)
+            self.wait(step)
         taken = self.admission.take(step)
         # within the step, in prompt order (a regenerated group started later than its neighbours)
         order = sorted(range(len(taken.tickets)), key=lambda i: taken.tickets[i].key)
         taken = Taken(step, [taken.tickets[i] for i in order], [taken.lags[i] for i in order])
         return [self.finished.pop(t.index) for t in taken.tickets], taken
+
+    def stream(self, step: int) -> Iterator[tuple[Job, Any, int]]:
+        """Complete-group pipelining: the groups of step `step`, each as soon as it has finished (in the order
+        they finish), with its lag; the same B groups as `take`. Between two groups the learner trains on the
+        first while the workers go on generating."""
+        self.check_published(step)
+        remaining = self.admission.batch
+        while remaining:
+            self.fill(step)
+            taken = self.admission.take_finished(step, remaining)
+            for ticket, lag in zip(taken.tickets, taken.lags):
+                remaining -= 1
+                yield (*self.finished.pop(ticket.index), lag)
+            if remaining and not taken.tickets:
+                self.wait(step)
+
+    def check_published(self, step: int) -> None:
+        if self.snapshot is None or self.snapshot.step != step:
+            raise WorkersError(f"step {step}: the learner's snapshot of this step was not published (the newest is "
+                               f"of step {None if self.snapshot is None else self.snapshot.step}); staleness is "
+                               f"counted in updates, so every step publishes before it takes its groups")
+
+    def wait(self, step: int) -> None:
+        """Wait for at least one running group to finish (bounded by `timeout_s`), and collect what finished."""
+        done = self.backend.wait(list(self.running), self.timeout_s)
+        if not done:
+            raise WorkersError(f"step {step}: no rollout group finished within {self.timeout_s:g} s "
+                               f"({len(self.running)} running on {self.backend.size} workers)")
+        for handle in done:
+            if handle in self.running:  # not already failed with its dead worker's queue
+                self.collect(handle)
 
     def fill(self, version: int) -> None:
         """Start groups while admission allows, each on the worker with the fewest queued."""

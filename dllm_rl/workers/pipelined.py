@@ -1,7 +1,8 @@
 """`workers.max_staleness=S` > 0: asynchronous rollouts. The workers keep generating the next steps' groups while
 the learner trains (ECHO-2's overlap), each group at most S policy versions behind the step that trains on it
 (dllm_rl/workers/admission.py says why the bound holds, dllm_rl/workers/pipeline.py how groups are started and
-collected). This stage replaces `CollectRollouts`: it returns the step's batch of verified on-policy groups.
+collected). This stage replaces `CollectRollouts`: it returns the step's batch of verified on-policy groups, or
+with `workers.pipe` (at any S, 0 included) hands them out one at a time as they finish (`stream`; pipe.py).
 
 Off-policy choice: a group generated at version v < step is scored for its old log-probs by the current policy (the
 "proximal" policy of decoupled PPO: the clipped ratio is taken against it), and the distance to the policy that
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -52,6 +53,7 @@ class PipelinedRollouts:
     skip: set[int] = field(default_factory=set)  # prompt ids trained on before a resume, beyond its position
     drawn: dict[int, Any] = field(default_factory=dict)  # prompt id -> (Drawn, rendered prompt), not yet trained
     pipeline: Pipeline | None = None
+    streamed: dict[str, float] = field(default_factory=dict)  # `stream`'s rollout/* metrics of its last step
 
     def __post_init__(self) -> None:
         B = self.prompts.per_step
@@ -73,14 +75,40 @@ class PipelinedRollouts:
         return jobs
 
     def __call__(self, step: int) -> StepBatch:
-        published = 0.0
-        if self.publisher.latest is None or self.publisher.latest.step != step:
-            start = time.perf_counter()
-            self.pipeline.publish(self.publisher.publish(self.weights(), step))
-            published = time.perf_counter() - start
+        published = self.publish(step)
         start = time.perf_counter()
         groups, taken = self.pipeline.take(step)
-        waited = time.perf_counter() - start
+        batch = self.batch_of(step, groups)
+        batch.metrics.update(self.step_metrics(taken.lags, published, time.perf_counter() - start))
+        return batch
+
+    def stream(self, step: int) -> Iterator[StepBatch]:
+        """Complete-group pipelining (`workers.pipe`): each of the step's groups as a batch of its own, verified,
+        as soon as it has finished; when the last is out, `streamed` holds the step's rollout/* metrics
+        (`rollout/learner_wait_s`: the seconds spent waiting for the groups, the learner's idle time)."""
+        published, waited, lags = self.publish(step), 0.0, []
+        groups = self.pipeline.stream(step)
+        while True:
+            start = time.perf_counter()
+            group = next(groups, None)
+            waited += time.perf_counter() - start
+            if group is None:
+                break
+            job, made, lag = group
+            lags.append(lag)
+            yield self.batch_of(step, [(job, made)])
+        self.streamed = self.step_metrics(lags, published, waited)
+
+    def publish(self, step: int) -> float:
+        """This step's weights to the workers (once a step); the seconds it took."""
+        if self.publisher.latest is not None and self.publisher.latest.step == step:
+            return 0.0
+        start = time.perf_counter()
+        self.pipeline.publish(self.publisher.publish(self.weights(), step))
+        return time.perf_counter() - start
+
+    def batch_of(self, step: int, groups: list[tuple[Job, Any]]) -> StepBatch:
+        """The batch of `groups` (finished jobs and what the workers made of them): prompts, rows, rewards."""
         pairs = [self.drawn.pop(job.key) for job, _ in groups]
         batch = StepBatch(step, [d.example for d, _ in pairs], [text for _, text in pairs],
                           [d.prompt_id for d, _ in pairs], [self.group_size] * len(pairs),
@@ -88,20 +116,22 @@ class PipelinedRollouts:
         parts = [self.local.rows_of(moved(made.samples, self.local.generator.model.device),
                                     [(b, job.key, g) for g in range(self.group_size)], version=made.step)
                  for b, (job, made) in enumerate(groups)]
-        rows = concat_rows(parts, self.pad_id)
+        rows = concat_rows(parts, self.pad_id) if len(parts) > 1 else parts[0]
         rows.version = min(made.step for _, made in groups)  # replaying the sampler's log-probs needs the step's own
         batch.rows["on_policy"] = rows
         verify(batch, self.task)
         batch.visits = group_records(batch)
-        adm = self.pipeline.admission
-        batch.metrics.update({**rollout_metrics(rows, float(sum(m.samples.forwards for _, m in groups))),
-                              "rollout/lag_max": float(taken.lag_max), "rollout/lag_mean": taken.lag_mean,
-                              "rollout/lag_violations": float(adm.violations),
-                              "rollout/regenerated": float(self.pipeline.counters["regenerated"]),
-                              "rollout/worker_restarts": float(self.pipeline.counters["restarts"]),
-                              "rollout/policy_version": float(self.publisher.version),
-                              "rollout/publish_s": published, "rollout/learner_wait_s": waited})
+        batch.metrics.update(rollout_metrics(rows, float(sum(m.samples.forwards for _, m in groups))))
         return batch
+
+    def step_metrics(self, lags: list[int], published: float, waited: float) -> dict[str, float]:
+        adm = self.pipeline.admission
+        return {"rollout/lag_max": float(max(lags, default=0)), "rollout/lag_mean": sum(lags) / max(len(lags), 1),
+                "rollout/lag_violations": float(adm.violations),
+                "rollout/regenerated": float(self.pipeline.counters["regenerated"]),
+                "rollout/worker_restarts": float(self.pipeline.counters["restarts"]),
+                "rollout/policy_version": float(self.publisher.version),
+                "rollout/publish_s": published, "rollout/learner_wait_s": waited}
 
     def resume_state(self) -> dict[str, Any]:
         """Where a resumed run draws again: the first prompt not trained on, and those after it that were."""

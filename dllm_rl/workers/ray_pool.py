@@ -138,6 +138,12 @@ class RolloutWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    def node(self) -> str:
+        """The id of the Ray node this worker runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
 
 class WorkerPool:
     """`count` rollout actors of one kind, each reserving `cpus` logical CPUs; every call waits at most

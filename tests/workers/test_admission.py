@@ -158,3 +158,56 @@ def test_fast_workers_and_a_slow_learner_push_the_lag_to_s_and_no_further():
     for S in (1, 2, 4):
         _, lags = simulate(S, workers=8, batch=4, steps=40, train_ticks=10, seed=S)
         assert max(max(step) for step in lags) == S
+
+
+def test_take_finished_hands_out_the_steps_groups_as_they_finish_by_hand():
+    adm = Admission(batch=3, max_staleness=1)
+    t = [adm.start(k, 0) for k in range(5)]  # S = 1: two steps' worth may run; step 0's are tickets 0-2
+    adm.finish(t[3], "accepted")  # step 1's: not handed to step 0
+    adm.finish(t[1], "accepted")
+    got = adm.take_finished(0, 3)
+    assert [x.index for x in got.tickets] == [1] and got.lags == [0]
+    adm.finish(t[0], "failed")  # leaves step 0: ticket 3 moves into its first three
+    got = adm.take_finished(0, 2)
+    assert [x.index for x in got.tickets] == [3]
+    r = adm.start("again", 0)  # ticket 0 regenerated: a later start, step 0's last group
+    adm.finish(t[2], "accepted")
+    adm.finish(r, "accepted")
+    assert [x.index for x in adm.take_finished(0, 1).tickets] == [2]
+    assert adm.take_finished(0, 0).tickets == []
+    adm.finish(t[4], "accepted")
+    got = adm.take_finished(1, 3)  # step 1: tickets 4 and 5, from version 0: lag 1 <= S
+    assert [x.index for x in got.tickets] == [4, 5] and got.lags == [1, 1]
+    assert adm.taken == 5 and adm.violations == 0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_take_finished_gives_each_step_the_groups_take_would(seed):
+    """Random finishes and failures: each step's groups handed out one by one equal `take`'s."""
+    rng = random.Random(seed)
+    both = [Admission(batch=4, max_staleness=2), Admission(batch=4, max_staleness=2)]
+    log = []
+    for adm in both:
+        rng.seed(seed)
+        steps, running, key = [], {}, 0
+        for step in range(6):
+            taken, remaining = [], 4
+            while remaining:
+                while adm.free(step):
+                    running[adm.start(key, step).index] = key
+                    key += 1
+                if adm is both[0] and adm.can_take():
+                    taken = [t.index for t in adm.take(step).tickets]
+                    break
+                if adm is both[1]:
+                    got = adm.take_finished(step, remaining)
+                    taken += [t.index for t in got.tickets]
+                    remaining -= len(got.tickets)
+                    if not remaining:
+                        break
+                index = rng.choice(sorted(adm.running))
+                running.pop(index)
+                adm.finish(adm.running[index], "failed" if rng.random() < 0.1 else "accepted")
+            steps.append(sorted(taken))
+        log.append(steps)
+    assert log[0] == log[1]

@@ -181,3 +181,39 @@ def test_close_cancels_and_returns_the_untrained_groups_in_order():
     left = pipe.close()
     assert [job.key for job in left] == list(range(8, 8 + len(left))) and len(left) >= 8
     assert not pipe.admission.running and pipe.admission.free(2) > 0
+
+
+def run_streamed(workers, S, steps, batch=4, train_t=3.0):
+    """The pipelined learner's loop: publish, then train on each group as it arrives (train_t / batch each)."""
+    pipe = Pipeline(workers, Admission(batch, S), drawer(batch), timeout_s=100.0)
+    keys, lags, arrivals = [], [], []
+    for step in range(steps):
+        pipe.publish(Snapshot(step + 1, step, ref=None, checksum="c"))
+        got = []
+        for job, made, lag in pipe.stream(step):
+            assert made.key == job.key and made.step == step - lag
+            got.append((job.key, lag))
+            arrivals.append((step, workers.clock))
+            workers.advance(train_t / batch)
+        keys.append(sorted(k for k, _ in got))
+        lags.append([lag for _, lag in got])
+    return keys, lags, arrivals, pipe
+
+
+@pytest.mark.parametrize("S", [0, 1, 2])
+def test_streamed_groups_are_the_groups_take_gives_and_the_same_work_ends_sooner(S):
+    duration = lambda w, job: 0.5 + (job.key * 7 % 5) * (1 + 2 * (w == 0))  # noqa: E731
+    whole, streamed = SimulatedWorkers(3, duration), SimulatedWorkers(3, duration)
+    taken_keys, taken_lags, _ = run(whole, S=S, steps=8)
+    keys, lags, arrivals, pipe = run_streamed(streamed, S=S, steps=8)
+    assert keys == [sorted(k) for k in taken_keys]
+    assert all(0 <= lag <= S for step in lags for lag in step) and pipe.admission.violations == 0
+    # the learner trains on a step's first groups while its last is still generating: the same work ends sooner
+    assert streamed.clock < whole.clock if S == 0 else streamed.clock <= whole.clock
+
+
+def test_a_killed_worker_mid_stream_regenerates_its_groups_and_each_prompt_is_trained_once():
+    keys, lags, _, pipe = run_streamed(SimulatedWorkers(2, duration=lambda w, job: 1.0, kill_at=(2.5, 0)),
+                                       S=0, steps=5)
+    assert keys == [list(range(4 * s, 4 * s + 4)) for s in range(5)]
+    assert pipe.counters["restarts"] == 1 and pipe.counters["regenerated"] >= 1

@@ -19,6 +19,7 @@ from dllm_rl.workers.admission import Admission
 from dllm_rl.workers.pipeline import Job, Pipeline
 from dllm_rl.workers.ray_pool import RayBackend, RayStore, WorkerPool, WorkersError, start_ray
 from dllm_rl.workers.versions import ChecksumMismatch, Publisher, Snapshot
+from tests.workers.conftest import processes_mentioning
 
 MODEL = str(Path(__file__).resolve().parents[2] / "models" / "tiny-dllm")
 SAMPLER = {"gen_length": 16, "block_length": 8, "steps": 8, "temperature": 1.0}
@@ -136,3 +137,15 @@ def test_the_pipeline_on_real_workers_survives_a_sigkilled_worker(ray_session):
         torch.set_num_threads(threads)
     for (job, made), ref in zip(groups, expected):
         assert torch.equal(made.samples.sequences_BL, ref.sequences_BL)
+
+
+def test_two_nodes_joined_by_address_share_snapshots_and_roll_out_alike(tmp_path):
+    """A two-node cluster on one machine (ray.cluster_utils.Cluster), in a process of its own (this session's Ray
+    is another cluster): workers on both nodes, the snapshot pulled across, the learner's rollouts; nothing left."""
+    temp = Path(__import__("tempfile").mkdtemp(prefix="n", dir="/tmp"))  # Ray's sockets need a short path
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, str(Path(__file__).with_name("two_nodes.py"))], cwd=root,
+                         env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "RAY_TMPDIR": str(temp)},
+                         capture_output=True, text=True, timeout=300)
+    assert "NODES 2" in out.stdout and "OK" in out.stdout.split(), out.stdout + out.stderr[-3000:]
+    assert not processes_mentioning(str(temp))

@@ -57,6 +57,26 @@ def test_three_steps_with_two_workers_equal_three_steps_in_process(ray_session, 
     assert metrics_of(remote)[-1]["rollout/policy_version"] == 4.0
 
 
+def test_groups_streamed_from_two_workers_train_as_the_synchronous_step(ray_session, saved_model, tmp_path):
+    """workers.pipe=true at S = 0: the same rollouts as in process, the update equal up to float rounding, the
+    learner's wait logged; at S = 1 the streamed groups keep their lags within the bound."""
+    local, piped = tmp_path / "local", tmp_path / "piped"
+    options = dict(SMALL, model=saved_model, steps=2, checkpoint_every=2, bf16=False, lr=1e-4)
+    one_thread(train, DigitShare(), run_dir=str(local), **options)
+    one_thread(train, DigitShare(), run_dir=str(piped), workers={"count": 2, "pipe": True, "timeout_s": 120},
+               **options)
+    a, b = weights(latest_checkpoint(local)), weights(latest_checkpoint(piped))
+    assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-6) for k in a)
+    ours, theirs = metrics_of(local), metrics_of(piped)
+    assert [m["reward/on_policy"] for m in ours] == [m["reward/on_policy"] for m in theirs]
+    assert all(m["rollout/lag_max"] == 0 and m["rollout/learner_wait_s"] > 0 for m in theirs)
+    assert [m["rollout/learner_wait_s"] for m in theirs] == [m["perf/rollout_s"] for m in theirs]
+    run = tmp_path / "async"
+    train(DigitShare(), model=saved_model, run_dir=str(run),
+          workers={"count": 2, "max_staleness": 1, "pipe": True, "timeout_s": 120}, **{**ASYNC, "steps": 3})
+    assert all(0 <= m["rollout/lag_max"] <= 1 and m["rollout/lag_violations"] == 0 for m in metrics_of(run))
+
+
 def test_workers_refuse_what_they_cannot_serve_by_name(saved_model, tmp_path):
     for extra, match in (({"lora": {"r": 4}}, "lora.r=4"), ({"deepspeed": {"name": "zero3", "stage": 3}}, "ZeRO-3"),
                          ({"deepspeed": {"bf16": True}}, "deepspeed.bf16=true")):
@@ -121,3 +141,30 @@ def test_asynchronous_rollouts_need_the_correction_and_no_curation(saved_model, 
     with pytest.raises(ConfigError, match="workers.max_staleness=1 with curation=.*greso"):
         train(DigitShare(), model=saved_model, run_dir=str(tmp_path / "b"), workers=workers,
               **{**ASYNC, "curation": {"greso": {}}})
+
+
+def test_ctrl_c_stops_the_run_and_its_workers_and_leaves_no_ray_process(saved_model, tmp_path):
+    """Ctrl-C in a terminal reaches the whole foreground process group (the learner and every Ray process it
+    started): the run stops after its step with the resume line, and nothing of its Ray remains."""
+    import signal
+    import time
+
+    run, short = tmp_path / "run", Path(tempfile.mkdtemp(prefix="t", dir="/tmp"))
+    env = {**os.environ, "TMPDIR": str(short), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "dllm_rl.cli", "train", f"model={saved_model}", f"run_dir={run}", "steps=500",
+               "task=arithmetic", "prompts_per_step=2", "group_size=2", "minibatch_size=4", "eval_every=0",
+               "external=none", "rollout.gen_length=16", "rollout.block_length=8", "rollout.steps=8",
+               "checkpoint_every=1", "workers.count=1", "workers.max_staleness=1", "sampler_correction.mode=weight",
+               "workers.timeout_s=120", "tensorboard=false"]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and not (run / "checkpoints" / "latest").exists():
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGINT)
+    _, err = process.communicate(timeout=180)
+    assert process.returncode == 130, err[-3000:]
+    assert [line for line in err.splitlines() if line.startswith("stopped: interrupted after step ")], err[-3000:]
+    time.sleep(1.0)
+    assert not processes_mentioning(str(short)), err[-3000:]
+    shutil.rmtree(short, ignore_errors=True)

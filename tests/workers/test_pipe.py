@@ -1,0 +1,76 @@
+"""`workers.pipe=true` (dllm_rl/workers/pipe.py): each group's stages and backward as it arrives, one optimizer step
+per step, equal to the synchronous update up to float rounding. Here the groups come from the learner's own
+process one at a time (the Ray workers' stream is tested in test_remote_training.py), so what is compared is the
+update alone: the same rollouts, the same weights after two steps, the same metrics."""
+
+import json
+
+import pytest
+import torch
+
+from dllm_rl.checkpoint import latest_checkpoint
+from dllm_rl.collect import group_records, verify
+from dllm_rl.errors import ConfigError
+from dllm_rl.train import train
+from tests.conftest import DigitShare
+from tests.test_train import SMALL, weights
+
+
+class GroupsOneByOne:
+    """`PipelinedRollouts.stream`'s contract from in-process rollouts: the step's prompts, each group generated,
+    verified and handed out alone (with the seeds the synchronous step uses)."""
+
+    def __init__(self, prompts, rollouts, task, group_size):
+        self.prompts, self.rollouts, self.task, self.group_size = prompts, rollouts, task, group_size
+        self.streamed = {}
+
+    def stream(self, step):
+        for drawn in self.prompts(step):
+            group = self.prompts.batch(step, [drawn], [self.group_size])
+            group.rows["on_policy"] = self.rollouts(group)
+            verify(group, self.task)
+            group.visits = group_records(group)
+            yield group
+        self.streamed = {"rollout/learner_wait_s": 0.0}
+
+
+def metrics_of(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("extra", [{}, {"external": {"name": "solver"}, "group_size": 3},
+                                   {"algo": {**SMALL["algo"], "aggregation": "sequence", "beta": 0.05}}],
+                         ids=["grpo", "erils", "sequence+kl"])
+def test_a_piped_step_equals_the_synchronous_update(extra, saved_model, tmp_path, monkeypatch):
+    options = dict(SMALL, model=saved_model, steps=2, checkpoint_every=2, bf16=False, lr=1e-4, **extra)
+    options["minibatch_size"] = options["prompts_per_step"] * options["group_size"]
+    local, piped = tmp_path / "local", tmp_path / "piped"
+    train(DigitShare(), run_dir=str(local), **options)
+    monkeypatch.setattr("dllm_rl.train.remote_collect",
+                        lambda cfg, workers, task, learned, rollouts, prompts, collect, state:
+                        GroupsOneByOne(prompts, rollouts, task, cfg.group_size))
+    train(DigitShare(), run_dir=str(piped), workers={"count": 1, "pipe": True}, **options)
+    a, b, start = weights(latest_checkpoint(local)), weights(latest_checkpoint(piped)), weights(saved_model)
+    assert any(not torch.equal(a[k], start[k]) for k in a)  # the run trained
+    assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-6) for k in a)
+    assert not all(torch.equal(a[k], b[k]) for k in a)  # rounded otherwise: the normaliser comes at the end
+    ours, theirs = metrics_of(local), metrics_of(piped)
+    for key in ("reward/on_policy", "rollouts/on_policy", "policy/updates", "len/on_policy", "reward/accuracy"):
+        assert [m[key] for m in ours] == [m[key] for m in theirs], key
+    for key in ("loss/policy", "loss/kl", "policy/grad_norm", "adv/on_policy"):
+        assert [m[key] for m in ours] == pytest.approx([m[key] for m in theirs], rel=1e-4, abs=1e-7), key
+    if "external" in extra:
+        assert [m["external/rows"] for m in ours] == [m["external/rows"] for m in theirs]
+    assert all(m["rollout/learner_wait_s"] == 0.0 and m["perf/update_s"] > 0 for m in theirs)
+
+
+def test_pipe_refuses_what_is_not_local_to_a_group_by_name(saved_model, tmp_path):
+    for extra, match in (({"inner_iterations": 2}, "inner_iterations=2"),
+                         ({"minibatch_size": 4}, "minibatch_size=4 for 8 rows"),
+                         ({"curation": {"name": "greso"}}, "curation="),
+                         ({"deepspeed": {"name": "zero1", "stage": 1}}, "ZeRO stage 0"),
+                         ({"external": {"name": "solver"}, "mixing": {"statistic": "running"}}, "statistic='running'"),
+                         ({"workers": {"count": 0, "pipe": True}}, "workers.pipe=true needs rollout workers")):
+        with pytest.raises(ConfigError, match=match):
+            train(DigitShare(), model=saved_model, run_dir=str(tmp_path / "r"), steps=1,
+                  **{"workers": {"count": 1, "pipe": True}, **SMALL, **extra})
