@@ -361,7 +361,8 @@ def remote_collect(cfg: TrainConfig, workers: WorkersConfig, task, learned: Lear
     pool, owns = start_workers(workers, cfg.model, cfg.sampler, bf16, cfg.trust_remote_code)
     return PipelinedRollouts(prompts, rollouts, pool, Publisher(RayStore(), version=state["policy_version"]),
                              learned.net.state_dict, task, cfg.group_size, workers.max_staleness,
-                             learned.tokenizer.pad_token_id, owns_ray=owns, step=state["step"],
+                             learned.tokenizer.pad_token_id, owns_ray=owns, sync_every=workers.sync_every,
+                             step=state["step"],
                              skip=set(state["trained_after"]))
 
 

@@ -19,11 +19,17 @@ class WorkersConfig:
     object_store_mb: int = 256  # a local Ray's object store (shared memory), in MiB
     max_staleness: int = 0  # S: policy versions a group may lag the step that trains on it (0 = synchronous)
     pipe: bool = False  # complete-group pipelining: each finished group's backward while the others generate
+    sync_every: int = 1  # publish the learner's weights to the workers every this many updates (needs S >= it - 1)
 
     def __post_init__(self) -> None:
         for key, ok, expected in (("count", self.count >= 0, ">= 0 (0 = in-process rollouts)"),
                                   ("threads", self.threads >= 1, ">= 1"), ("cpus", self.cpus > 0, "> 0"),
                                   ("timeout_s", self.timeout_s > 0, "> 0"),
                                   ("max_staleness", self.max_staleness >= 0, ">= 0 (0 = synchronous)"),
+                                  ("sync_every", self.sync_every >= 1, ">= 1"),
                                   ("object_store_mb", self.object_store_mb >= 80, ">= 80 (Ray's minimum is 75 MiB)")):
             require(ok, f"workers.{key} must be {expected}, got {getattr(self, key)!r}")
+        require(self.max_staleness >= self.sync_every - 1,
+                f"workers.sync_every={self.sync_every} with workers.max_staleness={self.max_staleness}: between two "
+                f"snapshots the workers generate from weights up to {self.sync_every - 1} updates old, more than the "
+                f"bound allows; set workers.max_staleness>={self.sync_every - 1} (and sampler_correction.mode=weight)")

@@ -60,9 +60,9 @@ def run_piped_step(run: Any, step: int, timer: PhaseTimer) -> tuple[StepBatch, d
 
 def merge_groups(groups: list[StepBatch], pad_id: int) -> StepBatch:
     """The step's groups, each scored and trained on, as one batch for the step's metrics and samples: the
-    prompts one after the other in prompt order, each source's rows concatenated (prompts re-indexed), with their rewards,
-    advantages, weights and clip counts (the scoring state, per group, is left out); counts and seconds added
-    up, the other metrics weighted by each group's on-policy rows."""
+    prompts one after the other in prompt order, each source's rows concatenated (prompts re-indexed), with their
+    rewards, advantages, weights and clip counts (the scoring state, per group, is left out); counts and seconds
+    added up, the other metrics weighted by each group's on-policy rows."""
     groups = sorted(groups, key=lambda g: g.prompt_ids)  # in prompt order, as the synchronous step has them
     first = groups[0]
     merged = StepBatch(first.step, [], [], [], [], [], template=first.template)

@@ -65,6 +65,7 @@ class Pipeline:
     admission: Admission
     draw: Callable[[], list[Job]]  # the next step's groups, in order (called when the queue runs dry)
     timeout_s: float = 600.0
+    sync_every: int = 1  # the learner publishes a snapshot every this many updates
     snapshot: Snapshot | None = None
     pending: deque = field(default_factory=deque)  # drawn or to regenerate, not started
     running: dict[Any, Running] = field(default_factory=dict)  # handle -> what it runs
@@ -84,7 +85,7 @@ class Pipeline:
         prompt (key) order."""
         self.check_published(step)
         while True:
-            self.fill(step)
+            self.fill()
             if self.admission.can_take():
                 break
             self.wait(step)
@@ -101,7 +102,7 @@ class Pipeline:
         self.check_published(step)
         remaining = self.admission.batch
         while remaining:
-            self.fill(step)
+            self.fill()
             taken = self.admission.take_finished(step, remaining)
             for ticket, lag in zip(taken.tickets, taken.lags):
                 remaining -= 1
@@ -110,10 +111,11 @@ class Pipeline:
                 self.wait(step)
 
     def check_published(self, step: int) -> None:
-        if self.snapshot is None or self.snapshot.step != step:
+        """The newest snapshot is at most `sync_every` - 1 updates old at step `step`."""
+        if self.snapshot is None or not step - self.sync_every < self.snapshot.step <= step:
             raise WorkersError(f"step {step}: the learner's snapshot of this step was not published (the newest is "
-                               f"of step {None if self.snapshot is None else self.snapshot.step}); staleness is "
-                               f"counted in updates, so every step publishes before it takes its groups")
+                               f"of step {None if self.snapshot is None else self.snapshot.step}, and a snapshot is "
+                               f"published every {self.sync_every} update(s)); staleness is counted in updates")
 
     def wait(self, step: int) -> None:
         """Wait for at least one running group to finish (bounded by `timeout_s`), and collect what finished."""
@@ -125,9 +127,12 @@ class Pipeline:
             if handle in self.running:  # not already failed with its dead worker's queue
                 self.collect(handle)
 
-    def fill(self, version: int) -> None:
-        """Start groups while admission allows, each on the worker with the fewest queued."""
-        while self.admission.free(version) > 0:
+    def fill(self) -> None:
+        """Start groups while admission allows, each on the worker with the fewest queued. The admission bound
+        is counted from the newest snapshot's update count (the version the groups are generated from), so with a
+        snapshot every `sync_every` updates no group lags more than S either; the learner's next groups can then
+        start only if S >= sync_every - 1 (the config requires it)."""
+        while self.admission.free(self.snapshot.step) > 0:
             if not self.pending:
                 self.pending.extend(self.draw())
             job = self.pending.popleft()

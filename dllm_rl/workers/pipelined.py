@@ -49,6 +49,7 @@ class PipelinedRollouts:
     max_staleness: int
     pad_id: int
     owns_ray: bool = False
+    sync_every: int = 1  # publish the learner's weights every this many updates
     step: int = 0  # the learner's step at the start (a resumed run's): admission counts its earlier groups as taken
     skip: set[int] = field(default_factory=set)  # prompt ids trained on before a resume, beyond its position
     drawn: dict[int, Any] = field(default_factory=dict)  # prompt id -> (Drawn, rendered prompt), not yet trained
@@ -58,7 +59,8 @@ class PipelinedRollouts:
     def __post_init__(self) -> None:
         B = self.prompts.per_step
         admission = Admission.resumed({"taken": self.step * B, "violations": 0}, B, self.max_staleness)
-        self.pipeline = Pipeline(RayBackend(self.pool), admission, self.draw, timeout_s=self.pool.timeout_s)
+        self.pipeline = Pipeline(RayBackend(self.pool), admission, self.draw, timeout_s=self.pool.timeout_s,
+                                 sync_every=self.sync_every)
 
     def draw(self) -> list[Job]:
         """The next step's prompts of the stream, as jobs (prompts trained on before a resume are skipped)."""
@@ -100,8 +102,10 @@ class PipelinedRollouts:
         self.streamed = self.step_metrics(lags, published, waited)
 
     def publish(self, step: int) -> float:
-        """This step's weights to the workers (once a step); the seconds it took."""
-        if self.publisher.latest is not None and self.publisher.latest.step == step:
+        """This step's weights to the workers, every `sync_every` steps (and at the first step a run makes); the
+        seconds it took."""
+        latest = self.publisher.latest
+        if latest is not None and step - latest.step < self.sync_every:
             return 0.0
         start = time.perf_counter()
         self.pipeline.publish(self.publisher.publish(self.weights(), step))

@@ -74,3 +74,13 @@ def test_pipe_refuses_what_is_not_local_to_a_group_by_name(saved_model, tmp_path
         with pytest.raises(ConfigError, match=match):
             train(DigitShare(), model=saved_model, run_dir=str(tmp_path / "r"), steps=1,
                   **{"workers": {"count": 1, "pipe": True}, **SMALL, **extra})
+
+
+def test_sync_every_needs_the_staleness_it_creates_by_name():
+    from dllm_rl.workers.config import WorkersConfig
+
+    with pytest.raises(ConfigError, match=r"workers.sync_every=3 with workers.max_staleness=1: .* up to 2 updates old"):
+        WorkersConfig(count=1, sync_every=3, max_staleness=1)
+    with pytest.raises(ConfigError, match="workers.sync_every must be >= 1, got 0"):
+        WorkersConfig(count=1, sync_every=0)
+    assert WorkersConfig(count=1, sync_every=3, max_staleness=2).sync_every == 3

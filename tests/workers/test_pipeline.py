@@ -171,7 +171,7 @@ def test_a_step_without_its_snapshot_is_named():
         pipe.take(0)
     pipe.publish(Snapshot(1, 0, ref=None, checksum="c"))
     pipe.take(0)
-    with pytest.raises(WorkersError, match=r"step 1: .* \(the newest is of step 0\)"):
+    with pytest.raises(WorkersError, match=r"step 1: .* \(the newest is of step 0, and a snapshot is published ev"):
         pipe.take(1)
 
 
@@ -217,3 +217,32 @@ def test_a_killed_worker_mid_stream_regenerates_its_groups_and_each_prompt_is_tr
                                        S=0, steps=5)
     assert keys == [list(range(4 * s, 4 * s + 4)) for s in range(5)]
     assert pipe.counters["restarts"] == 1 and pipe.counters["regenerated"] >= 1
+
+
+@pytest.mark.parametrize("sync_every,S", [(2, 1), (3, 2), (2, 3)])
+def test_a_snapshot_every_few_updates_keeps_lags_within_s_and_every_prompt_once(sync_every, S):
+    """The learner publishes at steps 0, k, 2k, ...: groups come from the newest snapshot, the admission bound
+    counts from its update count, so lags stay within S (reached) with S >= k - 1, and nothing deadlocks."""
+    workers = SimulatedWorkers(2, duration=lambda w, job: 0.5 + (job.key % 3))
+    pipe = Pipeline(workers, Admission(4, S), drawer(4), timeout_s=100.0, sync_every=sync_every)
+    keys, lags, loaded = [], [], []
+    for step in range(9):
+        if step % sync_every == 0:
+            pipe.publish(Snapshot(step // sync_every + 1, step, ref=None, checksum="c"))
+        groups, taken = pipe.take(step)
+        keys += [job.key for job, _ in groups]
+        lags += taken.lags
+        loaded += [made.step for _, made in groups]
+        workers.advance(3.0)
+    assert sorted(keys) == list(range(36)) and pipe.admission.violations == 0
+    assert all(0 <= lag <= S for lag in lags) and max(lags) == S
+    assert set(loaded) <= {0, sync_every, 2 * sync_every, 3 * sync_every, 4 * sync_every}
+
+
+def test_a_snapshot_older_than_sync_every_allows_is_named():
+    pipe = Pipeline(SimulatedWorkers(1, duration=lambda w, job: 1.0), Admission(2, 1), drawer(2), sync_every=2)
+    pipe.publish(Snapshot(1, 0, ref=None, checksum="c"))
+    pipe.take(0)
+    pipe.take(1)  # one update after the snapshot: within sync_every
+    with pytest.raises(WorkersError, match=r"step 2: .*newest is of step 0, and a snapshot is published every 2"):
+        pipe.take(2)
