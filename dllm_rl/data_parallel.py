@@ -35,7 +35,8 @@ from typing import Any, Sequence
 import torch
 
 from dllm_rl.buffer import Piece, Rows, minibatch_plan, num_minibatches, piece_spans
-from dllm_rl.engine import World, all_gather_objects, all_max, all_sum, any_rank, gather_tensor, mean_metrics
+from dllm_rl.engine import (World, all_gather_objects, all_max, all_sum, any_rank, gather_tensor, mean_metrics,
+                            scatter_objects)
 from dllm_rl.errors import require
 from dllm_rl.likelihood.estimators import Estimator
 from dllm_rl.lockstep import Lockstep
@@ -205,6 +206,10 @@ class DataParallel:
     def gather_objects(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order (what a decision every rank takes alike is made from)."""
         return all_gather_objects(obj, self.world)
+
+    def scatter_objects(self, objs: list[Any] | None) -> Any:
+        """Rank 0's `objs[r]` on each rank r (the other ranks pass None): what rank 0 made for every rank."""
+        return scatter_objects(objs, self.world)
 
     def mean_metrics(self, metrics: dict[str, float], summed: tuple[str, ...] = (),
                      weights: dict[str, float] | None = None) -> dict[str, float]:

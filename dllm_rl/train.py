@@ -61,7 +61,8 @@ from dllm_rl.external.provenance import describe as describe_provenance, externa
 from dllm_rl.likelihood.estimators import build_estimator, replays_rollout
 from dllm_rl.optim import lr_factor
 from dllm_rl.policy.adapters import MODEL_TYPES, check_cache_kind, hidden_size_of, load_policy, read_config
-from dllm_rl.policy.lora import AdapterOff, add_adapters, enable_gradient_checkpointing, trainable_parameters
+from dllm_rl.policy.lora import (AdapterOff, add_adapters, enable_gradient_checkpointing, merged_state_dict,
+                                 trainable_parameters)
 from dllm_rl.precision import resolve_bf16
 from dllm_rl.seeds import derive_seed
 from dllm_rl.resume import decide_resume, read_run_config, record_resume, with_absolute_paths, write_run_config
@@ -227,9 +228,11 @@ def setup(task: Task, cfg: TrainConfig, print_fn, saved_config: dict | None, all
     # Join first, then read files: a rank that fails on them (the model's config, the external model, the data
     # files) posts its reason for its peers (engine/rendezvous.py) instead of leaving them at the rendezvous.
     world = init_distributed(timeout_s)  # rank 0 of 1 without a launcher
-    require(world.size == 1 or cfg.workers["count"] == 0,
-            f"workers.count={cfg.workers['count']} with {world.size} learner ranks: rollout workers serve one "
-            f"learner process so far; launch one process, or set workers.count=0")
+    workers = WorkersConfig(**cfg.workers)
+    require(world.size == 1 or workers.count == 0 or (workers.max_staleness == 0 and not workers.pipe),
+            f"workers.max_staleness={workers.max_staleness}, workers.pipe={workers.pipe} with {world.size} learner "
+            f"ranks: asynchronous and pipelined rollouts serve one learner process so far; launch one process, or "
+            f"use synchronous workers (workers.max_staleness=0 workers.pipe=false)")
     torch.manual_seed(derive_seed(cfg.seed, "global", world.rank))  # dropout's draws (`train` forks the state)
     check_model_files(cfg)
     device = default_device()  # this rank's GPU (LOCAL_RANK) where there is one: every stage's tensors go there
@@ -353,14 +356,16 @@ def remote_collect(cfg: TrainConfig, workers: WorkersConfig, task, learned: Lear
     actors) or the pipeline (S > 0, prompts drawn ahead; or `workers.pipe`, groups streamed into the update at
     any S; dllm_rl/workers/pipelined.py)."""
     bf16 = resolve_bf16(cfg.bf16, learned.policy.device)
+    # the workers hold the plain model: with LoRA they get the adapter merged into the base weights
+    weights = functools.partial(merged_state_dict, learned.net) if cfg.lora["r"] > 0 else learned.net.state_dict
     if workers.max_staleness == 0 and not workers.pipe:
         collect.rollouts = build_remote_rollouts(workers, cfg.model, cfg.sampler, bf16, cfg.trust_remote_code,
-                                                 learned.net.state_dict, rollouts, learned.tokenizer.pad_token_id,
-                                                 version=state["policy_version"])
+                                                 weights, rollouts, learned.tokenizer.pad_token_id, collect.dp,
+                                                 learned.engine.gathered, version=state["policy_version"])
         return collect
     pool, owns = start_workers(workers, cfg.model, cfg.sampler, bf16, cfg.trust_remote_code)
     return PipelinedRollouts(prompts, rollouts, pool, Publisher(RayStore(), version=state["policy_version"]),
-                             learned.net.state_dict, task, cfg.group_size, workers.max_staleness,
+                             weights, task, cfg.group_size, workers.max_staleness,
                              learned.tokenizer.pad_token_id, owns_ray=owns, sync_every=workers.sync_every,
                              step=state["step"],
                              skip=set(state["trained_after"]))
@@ -445,8 +450,7 @@ def rollout_stage(run: Run):
 
 def policy_version(run: Run) -> int:
     """The policy version published to rollout workers so far (0 with in-process rollouts)."""
-    publisher = getattr(rollout_stage(run), "publisher", None)
-    return publisher.version if publisher is not None else run.state.get("policy_version", 0)
+    return getattr(rollout_stage(run), "version", run.state.get("policy_version", 0))
 
 
 def drawn_ahead(run: Run) -> dict[str, Any]:

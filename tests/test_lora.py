@@ -230,3 +230,29 @@ def test_sft_and_exported_lora_models_hand_off_to_rl(lora_run, tmp_path):
                          "lora.r=2", "algo.beta=0.04"]) == 0
         assert metrics(out)[0]["step"] == 1  # (an untrained model earns no reward on arithmetic: no update)
         assert (latest_checkpoint(out) / "adapter_model.safetensors").is_file()
+
+
+def test_merged_weights_give_the_adapted_networks_outputs_and_leave_it_as_it_is(make_dllm):
+    """What rollout workers load with LoRA: the base weights with the adapter merged in, under the base's names."""
+    from dllm_rl.policy.lora import add_adapters, merged_state_dict
+
+    adapted = add_adapters(make_dllm(seed=0).model, {"r": 4, "alpha": 8.0, "dropout": 0.0,
+                                                     "target_modules": "all-linear"}, base_path=".", seed=1)
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_B" in name:  # B starts at 0: give the adapter something to merge
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
+    ids = torch.randint(5, 60, (2, 12), generator=torch.Generator().manual_seed(0))
+    adapted.eval()
+    with torch.no_grad():
+        expected = adapted(input_ids=ids).logits
+        plain = make_dllm(seed=0).model.eval()
+        base = plain(input_ids=ids).logits
+        state = merged_state_dict(adapted)
+        assert set(state) == set(plain.state_dict())
+        plain.load_state_dict(state)
+        got = plain(input_ids=ids).logits
+        again = adapted(input_ids=ids).logits
+    assert (expected - base).abs().max() > 1e-2  # the adapter matters
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(again, expected) and any("lora_A" in n for n, _ in adapted.named_parameters())

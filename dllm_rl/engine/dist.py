@@ -208,3 +208,12 @@ def broadcast_object(obj: Any, world: World, src: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def scatter_objects(objs: list[Any] | None, world: World, src: int = 0) -> Any:
+    """Rank `src`'s `objs[r]` on rank r (the other ranks pass None). Tensors travel pickled, from the CPU."""
+    if world.size == 1:
+        return objs[0]
+    box: list[Any] = [None]
+    dist.scatter_object_list(box, objs if world.rank == src else None, src=src)
+    return box[0]

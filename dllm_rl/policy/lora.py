@@ -108,6 +108,26 @@ def has_adapters(network: nn.Module) -> bool:
     return isinstance(getattr(network, "module", network), PeftModel)
 
 
+@torch.no_grad()
+def merged_state_dict(network: nn.Module) -> dict[str, torch.Tensor]:
+    """The weights of `network` (a peft LoRA model) with its active adapters merged in, named as the base model's
+    own state dict (what rollout workers holding the plain model load); `network` itself is left as it is."""
+    from peft.tuners.lora import LoraLayer
+
+    base = network.get_base_model()
+    deltas = {name: sum(m.get_delta_weight(a) for a in m.active_adapters if a in m.lora_A)
+              for name, m in base.named_modules() if isinstance(m, LoraLayer)}
+    out = {}
+    for key, value in base.state_dict().items():
+        if ".lora_" in key:
+            continue
+        key = key.replace(".base_layer.", ".")
+        module, _, leaf = key.rpartition(".")
+        delta = deltas.get(module) if leaf == "weight" else None
+        out[key] = (value + delta.to(value.dtype)) if isinstance(delta, torch.Tensor) else value
+    return out
+
+
 class AdapterOff(nn.Module):
     """The policy's own network with its LoRA adapter switched off: the base model, used as the KL reference
     without a second copy. `network` is the peft model (or a DeepSpeed engine around it)."""

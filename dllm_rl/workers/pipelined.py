@@ -137,6 +137,11 @@ class PipelinedRollouts:
                 "rollout/policy_version": float(self.publisher.version),
                 "rollout/publish_s": published, "rollout/learner_wait_s": waited}
 
+    @property
+    def version(self) -> int:
+        """The newest published policy version."""
+        return self.publisher.version
+
     def resume_state(self) -> dict[str, Any]:
         """Where a resumed run draws again: the first prompt not trained on, and those after it that were."""
         untrained = sorted(self.drawn)

@@ -11,15 +11,17 @@ precision. Bounded staleness (S > 0) is `pipelined.py`.
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import torch
 
 from dllm_rl.buffer import Rows, concat_rows
 from dllm_rl.collect import InProcessRollouts, StepBatch, rollout_keys, rollout_metrics
+from dllm_rl.data_parallel import DataParallel
 from dllm_rl.workers.config import WorkersConfig
 from dllm_rl.workers.errors import WorkersError
 from dllm_rl.workers.ray_pool import RayStore, WorkerPool, start_ray, stop_ray
@@ -29,50 +31,76 @@ from dllm_rl.workers.versions import Publisher
 @dataclass
 class RemoteRollouts:
     """`InProcessRollouts`' stage, run by a `WorkerPool`: publish the weights once per step, then each worker
-    generates its share of the groups. `local` supplies the seed contract and builds the rows."""
+    generates its share of the groups. `local` supplies the seed contract and builds the rows.
 
-    pool: WorkerPool
-    publisher: Publisher
+    With several learner ranks, rank 0 alone holds the pool and the publisher: every rank enters the publish
+    (at ZeRO-3 `gathered` assembles the full weights, a collective) and sends its groups' prompts and seeds to
+    rank 0, which has all ranks' groups generated at once and sends each rank its own results back."""
+
+    pool: WorkerPool | None  # rank 0's; None on the other learner ranks
+    publisher: Publisher | None  # rank 0's
     weights: Callable[[], dict[str, torch.Tensor]]  # the learner's full state dict, as the workers' model names it
     local: InProcessRollouts
     pad_id: int
+    dp: DataParallel
+    workers: int  # the pool's size, known on every rank
+    gathered: Callable[[], ContextManager] = contextlib.nullcontext  # the full weights for the duration
     owns_ray: bool = False  # this run started Ray, so it stops it
+    version: int = 0  # the newest published policy version, on every rank
+    published_step: int = -1
 
     def __call__(self, batch: StepBatch) -> Rows:
         keys = rollout_keys(batch)
-        if not keys:
-            return self.local.stand_in(batch)
         published = self.publish(batch.step)
         seeds = self.local.seeds(batch, keys)
-        shares = split_groups(keys, len(self.pool.actors))
-        results = self.pool.generate([([batch.prompt_texts[keys[i][0]] for i in share], [seeds[i] for i in share])
-                                      for share in shares])
-        lags = [batch.step - r.step for r in results]
-        if any(lag != 0 for lag in lags) or any(r.checksum != self.publisher.latest.checksum for r in results):
-            raise WorkersError(f"step {batch.step}: workers answered from policy steps {[r.step for r in results]} "
-                               f"(checksums {[r.checksum for r in results]}), not this step's snapshot "
-                               f"{self.publisher.latest.checksum}")
+        shares = split_groups(keys, self.workers) if keys else []
+        chunks = [([batch.prompt_texts[keys[i][0]] for i in share], [seeds[i] for i in share]) for share in shares]
+        every = self.dp.gather_objects(chunks)
+        results, lags, self.version, published = self.dp.scatter_objects(self.generate(batch.step, every, published))
+        if not keys:
+            return self.local.stand_in(batch)
         device = self.local.generator.model.device
         parts = [self.local.rows_of(moved(r.samples, device), [keys[i] for i in share], version=r.step)
                  for r, share in zip(results, shares)]
         rows = concat_rows(parts, self.pad_id) if len(parts) > 1 else parts[0]
         batch.metrics.update({**rollout_metrics(rows, float(sum(r.samples.forwards for r in results))),
                               "rollout/lag_max": float(max(lags)), "rollout/lag_mean": sum(lags) / len(lags),
-                              "rollout/policy_version": float(self.publisher.version),
-                              "rollout/publish_s": published})
+                              "rollout/policy_version": float(self.version), "rollout/publish_s": published})
         return rows
 
+    def generate(self, step: int, every: list[list[tuple]], published: float) -> list[tuple] | None:
+        """Rank 0: every rank's chunks generated at once over the workers; per rank (its results, the lags,
+        the version, the publish seconds). None on the other ranks."""
+        if self.pool is None:
+            return None
+        flat = [chunk for chunks in every for chunk in chunks]
+        results = self.pool.generate(flat) if flat else []
+        lags = [step - r.step for r in results] or [0]
+        checksum = self.publisher.latest.checksum
+        if any(lag != 0 for lag in lags) or any(r.checksum != checksum for r in results):
+            raise WorkersError(f"step {step}: workers answered from policy steps {[r.step for r in results]} "
+                               f"(checksums {[r.checksum for r in results]}), not this step's snapshot {checksum}")
+        out, start = [], 0
+        for chunks in every:
+            out.append((results[start:start + len(chunks)], lags, self.publisher.version, published))
+            start += len(chunks)
+        return out
+
     def publish(self, step: int) -> float:
-        """The learner's weights as this step's snapshot, loaded by every worker (once a step); seconds taken."""
-        latest = self.publisher.latest
-        if latest is not None and latest.step == step:
+        """The learner's weights as this step's snapshot, loaded by every worker (once a step; every learner rank
+        takes part); seconds taken."""
+        if self.published_step == step:
             return 0.0
+        self.published_step = step
         start = time.perf_counter()
-        self.pool.load(self.publisher.publish(self.weights(), step))
+        with self.gathered():
+            if self.pool is not None:
+                self.pool.load(self.publisher.publish(self.weights(), step))
         return time.perf_counter() - start
 
     def close(self) -> None:
-        self.pool.close()
+        if self.pool is not None:
+            self.pool.close()
         if self.owns_ray:
             stop_ray()
 
@@ -127,7 +155,14 @@ def start_workers(config: WorkersConfig, model: str, sampler: dict[str, Any], bf
 
 def build_remote_rollouts(config: WorkersConfig, model: str, sampler: dict[str, Any], bf16: bool,
                           trust_remote_code: bool, weights: Callable[[], dict[str, torch.Tensor]],
-                          local: InProcessRollouts, pad_id: int, version: int = 0) -> RemoteRollouts:
-    """Synchronous workers: the pool, and the publisher continuing at `version` after a resume."""
-    pool, owns = start_workers(config, model, sampler, bf16, trust_remote_code)
-    return RemoteRollouts(pool, Publisher(RayStore(), version=version), weights, local, pad_id, owns_ray=owns)
+                          local: InProcessRollouts, pad_id: int, dp: DataParallel,
+                          gathered: Callable[[], ContextManager] = contextlib.nullcontext,
+                          version: int = 0) -> RemoteRollouts:
+    """Synchronous workers: the pool on rank 0 (the other learner ranks reach it through rank 0), and the
+    publisher continuing at `version` after a resume."""
+    pool, owns, publisher = None, False, None
+    if dp.world.is_main:
+        pool, owns = start_workers(config, model, sampler, bf16, trust_remote_code)
+        publisher = Publisher(RayStore(), version=version)
+    return RemoteRollouts(pool, publisher, weights, local, pad_id, dp, config.count, gathered, owns_ray=owns,
+                          version=version)

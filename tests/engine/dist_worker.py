@@ -2,7 +2,7 @@
 single-process baseline): short training runs at each ZeRO stage, a ZeRO-3 resume, a ZeRO-3 rollout, and the
 live logits of a ZeRO-3 engine restored from a checkpoint. Results go to files under OUT; the test compares.
 
-usage: dist_worker.py OUT MODEL (train STAGE... | lora STAGE... | dropout | uneven NAME | ragged NAME STAGE... |
+usage: dist_worker.py OUT MODEL (train STAGE... | workers STAGE... | lora STAGE... | dropout | uneven NAME | ragged NAME STAGE... |
        resume | rollout | logits CHECKPOINT | hang)
 """
 
@@ -168,6 +168,9 @@ def main(out: Path, model: str, command: str, *args: str) -> None:
         for stage in map(int, args):
             run_train(out, model, stage)
         (out / f"group_timeouts_rank{world.rank}.json").write_text(json.dumps(group_timeouts()))
+    elif command == "workers":  # the train runs with their rollouts from two Ray actors (rank 0's local Ray)
+        for stage in map(int, args):
+            run_train(out, model, stage, name=f"workers_zero{stage}", workers={"count": 2, "timeout_s": 120})
     elif command == "lora":  # LoRA with the adapter-off reference at the given stages, and at stage 3 with
         for stage in map(int, args):  # gradient checkpointing
             run_train(out, model, stage, lora=True)

@@ -87,6 +87,19 @@ def test_every_stage_agrees_with_the_single_process_run(runs):
     assert any(not torch.equal(start[k], moved[k]) for k in start)
 
 
+def test_two_learner_ranks_with_rollout_workers_train_as_with_their_own_rollouts(runs):
+    """Synchronous rollout workers under two learner ranks (rank 0 holds the pool; at ZeRO-3 every rank takes
+    part in gathering the weights it publishes): the two-rank run with in-process rollouts, step for step."""
+    root, _, two = runs
+    launched(two, str(root / "model"), "workers", "0", "3")
+    for stage in (0, 3):
+        ours, theirs = metrics(two / f"zero{stage}"), metrics(two / f"workers_zero{stage}")
+        assert [m["reward/on_policy"] for m in ours] == [m["reward/on_policy"] for m in theirs], stage
+        assert [m["rollout/policy_version"] for m in theirs] == [1.0, 2.0]
+        a, b = weights(two / f"zero{stage}", 2), weights(two / f"workers_zero{stage}", 2)
+        assert all(torch.equal(a[k], b[k]) for k in a), stage
+
+
 def assert_weights_agree(got: dict[str, torch.Tensor], base: dict[str, torch.Tensor], label) -> None:
     """fp32, lr 1e-3. AdamW's first update is lr * g / (|g| + eps): an element whose gradient is near eps moves by
     up to lr when ranks sum the gradient in another order, so a handful of elements (4 of 33k at stages 0-2, 19

@@ -101,7 +101,8 @@ def test_ray_that_cannot_start_is_a_named_error(tmp_path):
 
 def test_the_pipeline_on_real_workers_survives_a_sigkilled_worker(ray_session):
     """Two actors, S = 1, groups of two rollouts: one worker is SIGKILLed with groups queued on it; the lost groups
-    are generated again (same seeds, same snapshot: the same tokens), the worker restarts, no group is taken twice."""
+    are generated again (same seeds, same snapshot: the same tokens), the worker restarts, no group is taken twice
+    or lost (a regenerated group starts after its neighbours, so it may be taken a step later, within S)."""
     policy, tokenizer = perturbed_policy(seed=3)
     publisher = Publisher(RayStore())
     pool = WorkerPool(2, MODEL, SAMPLER, bf16=False, timeout_s=120)
@@ -120,12 +121,13 @@ def test_the_pipeline_on_real_workers_survives_a_sigkilled_worker(ray_session):
         first = step(0)
         victim = ray.get(pool.actors[1].pid.remote())
         os.kill(victim, signal.SIGKILL)
-        later = [step(1), step(2)]
+        later = [step(1), step(2), step(3)]  # a regenerated group may be taken up to S = 1 step later
     finally:
         pipe.close()
         pool.close()
-    groups = first + later[0] + later[1]
-    assert sorted(job.key for job, _ in groups) == list(range(6))
+    groups = first + [g for taken in later for g in taken]
+    keys = [job.key for job, _ in groups]
+    assert len(keys) == len(set(keys)) == 8 and set(range(6)) <= set(keys)  # each once, none lost
     assert pipe.counters["restarts"] == 1 and pipe.counters["regenerated"] >= 1
     generator = TextGenerator(policy, tokenizer, **SAMPLER)
     threads = torch.get_num_threads()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from dllm_rl.checkpoint import latest_checkpoint
 from dllm_rl.errors import ConfigError
@@ -77,12 +78,28 @@ def test_groups_streamed_from_two_workers_train_as_the_synchronous_step(ray_sess
     assert all(0 <= m["rollout/lag_max"] <= 1 and m["rollout/lag_violations"] == 0 for m in metrics_of(run))
 
 
+def test_lora_runs_publish_the_merged_weights_and_roll_out_as_in_process(ray_session, saved_model, tmp_path):
+    """With LoRA the workers hold the plain model and load the base with the adapter merged in: two steps give
+    the in-process run's rewards and adapter weights (to rounding: merged weights are not the adapter's path)."""
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    options = dict(SMALL, model=saved_model, steps=2, checkpoint_every=2, bf16=False, lora={"r": 4, "alpha": 8.0})
+    one_thread(train, DigitShare(), run_dir=str(local), **options)
+    one_thread(train, DigitShare(), run_dir=str(remote), workers={"count": 1, "timeout_s": 120}, **options)
+    adapter = lambda run: load_file(str(latest_checkpoint(run) / "adapter_model.safetensors"))  # noqa: E731
+    a, b = adapter(local), adapter(remote)
+    assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-6) for k in a)
+    assert [m["reward/on_policy"] for m in metrics_of(local)] == [m["reward/on_policy"] for m in metrics_of(remote)]
+    assert [m["rollout/policy_version"] for m in metrics_of(remote)] == [1.0, 2.0]
+
+
 def test_workers_refuse_what_they_cannot_serve_by_name(saved_model, tmp_path):
-    for extra, match in (({"lora": {"r": 4}}, "lora.r=4"), ({"deepspeed": {"name": "zero3", "stage": 3}}, "ZeRO-3"),
+    zero3 = {"name": "zero3", "stage": 3}
+    for extra, match in (({"deepspeed": zero3, "workers": {"count": 1, "max_staleness": 1},
+                           "sampler_correction": {"mode": "weight"}}, "with ZeRO-3"),
                          ({"deepspeed": {"bf16": True}}, "deepspeed.bf16=true")):
         with pytest.raises(ConfigError, match=match):
             train(DigitShare(), model=saved_model, run_dir=str(tmp_path / "r"), steps=1,
-                  workers={"count": 1}, **{**SMALL, **extra})
+                  **{**SMALL, "workers": {"count": 1}, **extra})
 
 
 def test_a_run_that_starts_its_own_ray_leaves_no_ray_process(saved_model, tmp_path):
