@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from dllm_rl.errors import require
 
 
+TRANSPORTS = ("object_store", "broadcast")
+
+
 @dataclass(frozen=True)
 class WorkersConfig:
     """The `workers` group of configs/train.yaml."""
@@ -20,6 +23,7 @@ class WorkersConfig:
     max_staleness: int = 0  # S: policy versions a group may lag the step that trains on it (0 = synchronous)
     pipe: bool = False  # complete-group pipelining: each finished group's backward while the others generate
     sync_every: int = 1  # publish the learner's weights to the workers every this many updates (needs S >= it - 1)
+    transport: str = "object_store"  # how snapshots travel: object_store (Ray's) | broadcast (a gloo group)
 
     def __post_init__(self) -> None:
         for key, ok, expected in (("count", self.count >= 0, ">= 0 (0 = in-process rollouts)"),
@@ -29,6 +33,11 @@ class WorkersConfig:
                                   ("sync_every", self.sync_every >= 1, ">= 1"),
                                   ("object_store_mb", self.object_store_mb >= 80, ">= 80 (Ray's minimum is 75 MiB)")):
             require(ok, f"workers.{key} must be {expected}, got {getattr(self, key)!r}")
+        require(self.transport in TRANSPORTS, f"workers.transport={self.transport!r}: expected one of {TRANSPORTS}")
+        require(self.transport != "broadcast" or (self.max_staleness == 0 and not self.pipe),
+                f"workers.transport=broadcast with workers.max_staleness={self.max_staleness}, workers.pipe="
+                f"{self.pipe}: a broadcast needs every worker at once, which only synchronous workers are; use "
+                f"workers.transport=object_store")
         require(self.max_staleness >= self.sync_every - 1,
                 f"workers.sync_every={self.sync_every} with workers.max_staleness={self.max_staleness}: between two "
                 f"snapshots the workers generate from weights up to {self.sync_every - 1} updates old, more than the "

@@ -113,10 +113,18 @@ class RolloutWorker:
         self.generator = TextGenerator(self.policy, tokenizer, **sampler)
         self.autocast = lambda: autocast(device, bf16)
         self.snapshot: Snapshot | None = None
+        self.transport: Any = RayStore()
+
+    def join_broadcast(self, host: str, port: int, rank: int, size: int, timeout_s: float) -> int:
+        """Receive snapshots by the learner's broadcast from now on (`workers.transport=broadcast`)."""
+        from dllm_rl.workers.broadcast import BroadcastGroup, BroadcastReceiver
+
+        self.transport = BroadcastReceiver(BroadcastGroup(host, port, rank, size, timeout_s))
+        return rank
 
     def load(self, snapshot: Snapshot) -> int:
         """Load a published snapshot (checked against its checksum); its version."""
-        state = load_verified(RayStore(), snapshot)
+        state = load_verified(self.transport, snapshot)
         self.policy.model.load_state_dict(state)
         self.snapshot = snapshot
         return snapshot.version
@@ -159,6 +167,19 @@ class WorkerPool:
                                                                              trust_remote_code)
         self.actors = [self.start() for _ in range(count)]
         self.timeout_s = timeout_s
+        self.sender = None  # the learner's side of a broadcast group (`join_broadcast`), or None: the object store
+
+    def join_broadcast(self) -> None:
+        """Form the broadcast group of this process (rank 0) and the workers; snapshots then travel by it."""
+        import ray
+
+        from dllm_rl.engine.dist import free_port
+        from dllm_rl.workers.broadcast import BroadcastGroup, BroadcastSender
+
+        host, port, size = ray.util.get_node_ip_address(), free_port(), len(self.actors) + 1
+        refs = [a.join_broadcast.remote(host, port, i + 1, size, self.timeout_s) for i, a in enumerate(self.actors)]
+        self.sender = BroadcastSender(BroadcastGroup(host, port, 0, size, self.timeout_s))
+        self.wait(refs, "joining the broadcast group")
 
     def wait(self, refs: list, what: str) -> list:
         import ray
@@ -169,8 +190,11 @@ class WorkerPool:
             raise WorkersError(f"rollout workers did not finish {what} within {self.timeout_s:g} s") from None
 
     def load(self, snapshot: Snapshot) -> None:
-        """Every worker loads `snapshot` (each checks its checksum)."""
-        self.wait([a.load.remote(snapshot) for a in self.actors], f"loading policy version {snapshot.version}")
+        """Every worker loads `snapshot` (each checks its checksum); by broadcast, all at once."""
+        refs = [a.load.remote(snapshot) for a in self.actors]
+        if self.sender is not None:
+            self.sender.send()
+        self.wait(refs, f"loading policy version {snapshot.version}")
 
     def generate(self, chunks: list[tuple[Sequence[str], Sequence[int]]]) -> list[Generated]:
         """Chunk i (prompts, seeds) on worker i mod count, all at once; the results in chunk order."""

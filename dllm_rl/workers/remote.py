@@ -163,6 +163,14 @@ def build_remote_rollouts(config: WorkersConfig, model: str, sampler: dict[str, 
     pool, owns, publisher = None, False, None
     if dp.world.is_main:
         pool, owns = start_workers(config, model, sampler, bf16, trust_remote_code)
-        publisher = Publisher(RayStore(), version=version)
+        if config.transport == "broadcast":
+            try:
+                pool.join_broadcast()
+            except Exception:
+                pool.close()
+                if owns:
+                    stop_ray()
+                raise
+        publisher = Publisher(pool.sender or RayStore(), version=version)
     return RemoteRollouts(pool, publisher, weights, local, pad_id, dp, config.count, gathered, owns_ray=owns,
                           version=version)

@@ -58,6 +58,17 @@ def test_three_steps_with_two_workers_equal_three_steps_in_process(ray_session, 
     assert metrics_of(remote)[-1]["rollout/policy_version"] == 4.0
 
 
+def test_snapshots_by_broadcast_train_as_in_process(ray_session, saved_model, tmp_path):
+    local, remote = tmp_path / "local", tmp_path / "remote"
+    options = dict(SMALL, model=saved_model, steps=2, checkpoint_every=2, bf16=False)
+    one_thread(train, DigitShare(), run_dir=str(local), **options)
+    one_thread(train, DigitShare(), run_dir=str(remote),
+               workers={"count": 2, "transport": "broadcast", "timeout_s": 120}, **options)
+    a, b = weights(latest_checkpoint(local)), weights(latest_checkpoint(remote))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [m["rollout/policy_version"] for m in metrics_of(remote)] == [1.0, 2.0]
+
+
 def test_groups_streamed_from_two_workers_train_as_the_synchronous_step(ray_session, saved_model, tmp_path):
     """workers.pipe=true at S = 0: the same rollouts as in process, the update equal up to float rounding, the
     learner's wait logged; at S = 1 the streamed groups keep their lags within the bound."""
@@ -114,6 +125,11 @@ def test_a_run_that_starts_its_own_ray_leaves_no_ray_process(saved_model, tmp_pa
     assert metrics_of(run)[0]["rollout/policy_version"] == 1.0
     assert any(p.name.startswith("dllm-ray-") for p in short.iterdir())  # its Ray lived under TMPDIR ...
     assert not processes_mentioning(str(short))  # ... and is gone
+    # a run that fails (its workers cannot load the weights in time) stops its Ray too
+    failed = subprocess.run([*command[:5], f"run_dir={tmp_path / 'failed'}", *command[6:-2], "workers.timeout_s=0.01",
+                             "tensorboard=false"], env=env, capture_output=True, text=True, timeout=300)
+    assert failed.returncode != 0 and "rollout workers did not finish loading" in failed.stderr, failed.stderr[-3000:]
+    assert not processes_mentioning(str(short))
     shutil.rmtree(short)
 
 
