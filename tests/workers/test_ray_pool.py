@@ -94,6 +94,36 @@ def test_workers_that_receive_snapshots_by_broadcast_roll_out_what_the_learner_w
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("kind", ["llada", "dream"])
+def test_workers_hold_the_published_llada_and_dream_code_and_roll_out_alike(ray_session, kind, char_tokenizer,
+                                                                             tmp_path):
+    """A checkpoint with its own model code (trust_remote_code, the real files' stand-ins): a worker loads it,
+    takes a snapshot of moved weights, and rolls out what the learner's sampler does."""
+    from tests.policy.remote_standins import write_dream, write_llada
+
+    path = str((write_llada if kind == "llada" else write_dream)(tmp_path / kind, char_tokenizer))
+    policy, tokenizer = load_policy(path, trust_remote_code=True)
+    g = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    policy.model.eval()
+    pool = WorkerPool(1, path, SAMPLER, bf16=False, timeout_s=120, trust_remote_code=True)
+    try:
+        pool.load(Publisher(RayStore()).publish(policy.model.state_dict(), step=1))
+        (got,) = pool.generate([(PROMPTS[:2], [41, 42])])
+    finally:
+        pool.close()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the workers run
+    try:
+        with torch.no_grad():
+            expected = TextGenerator(policy, tokenizer, **SAMPLER).sample(PROMPTS[:2], [41, 42])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got.samples.sequences_BL, expected.sequences_BL)
+
+
 def test_a_corrupted_snapshot_and_an_unloaded_worker_are_named(ray_session):
     policy, _ = perturbed_policy(seed=2)
     snapshot = Publisher(RayStore()).publish(policy.model.state_dict(), step=0)
