@@ -15,8 +15,8 @@ external rows + scoring + update), the speedup over the in-process baseline (a r
 the Sparse-RL effective sample size. Then the projection: with rollout time R and training time T per step
 measured in process, W workers that each generate a batch in R (no faster than here) give a synchronous learner
 T / (T + R / W) and an asynchronous one (S >= 1) min(1, T / (R / W)), publishing aside. Prints a table and writes
-JSON. With --curves, instead: held-out greedy pass@1 against steps for each staleness bound S given (one worker,
-S = 0 the synchronous loop), every --eval-every steps, as a table and a plot next to the JSON.
+JSON. With --curves, instead: held-out greedy pass@1 against steps for each staleness bound S given (one worker;
+S = 0 is the synchronous loop, run in process), every --eval-every steps, as a table and a plot next to the JSON.
 
     python scripts/bench_workers.py --out docs/bench_workers.json
     python scripts/bench_workers.py --curves 0 1 2 4 --curve-steps 40 --out docs/bench_workers_curves.json
@@ -95,7 +95,8 @@ def curves(args: argparse.Namespace) -> None:
     evals = {}
     with tempfile.TemporaryDirectory() as scratch:
         for S in args.curves:
-            name = "sync/w1" if S == 0 else f"async-s{S}/w1"
+            # S = 0: in process, the same run as synchronous workers (tested bit for bit), in half the time here
+            name = "in-process" if S == 0 else f"async-s{S}/w1"
             lines = run_mode(name, args, Path(scratch), (f"eval_every={args.eval_every}", "eval_prompts=64"))
             evals[S] = [(int(m["step"]), m["eval/pass@1"]) for m in lines if "eval/pass@1" in m]
     steps = [step for step, _ in evals[args.curves[0]]]
