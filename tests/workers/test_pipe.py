@@ -84,3 +84,39 @@ def test_sync_every_needs_the_staleness_it_creates_by_name():
     with pytest.raises(ConfigError, match="workers.sync_every must be >= 1, got 0"):
         WorkersConfig(count=1, sync_every=0)
     assert WorkersConfig(count=1, sync_every=3, max_staleness=2).sync_every == 3
+
+
+def test_a_non_finite_loss_mid_step_skips_the_update_and_still_takes_every_group(saved_model, tmp_path,
+                                                                                  monkeypatch):
+    """The first group's loss is NaN: nothing is stepped (the weights stay), the step's other groups are still
+    taken from the stream (admission's slots released), and the skip counts towards max_bad_steps."""
+    from dllm_rl import learner
+
+    real, calls = learner.grpo_loss, []
+
+    def nan_first(*args, **kwargs):
+        loss, metrics = real(*args, **kwargs)
+        calls.append(1)
+        return (loss * float("nan") if len(calls) == 1 else loss), metrics
+
+    monkeypatch.setattr(learner, "grpo_loss", nan_first)
+    handed = []
+
+    class Counting(GroupsOneByOne):
+        def stream(self, step):
+            for group in super().stream(step):
+                handed.append(group.prompt_ids[0])
+                yield group
+
+    monkeypatch.setattr("dllm_rl.train.remote_collect",
+                        lambda cfg, workers, task, learned, rollouts, prompts, collect, state:
+                        Counting(prompts, rollouts, task, cfg.group_size))
+    run = tmp_path / "run"
+    with pytest.warns(UserWarning, match="non-finite loss or gradient; update skipped"):
+        train(DigitShare(), model=saved_model, run_dir=str(run), steps=1, checkpoint_every=1, bf16=False,
+              workers={"count": 1, "pipe": True}, **SMALL)
+    assert handed == [0, 1] and len(calls) == 1  # the second group arrived, and made no loss
+    (line,) = metrics_of(run)
+    assert line["policy/updates"] == 0.0
+    before, after = weights(saved_model), weights(latest_checkpoint(run))
+    assert all(torch.equal(before[k], after[k]) for k in before)

@@ -114,14 +114,17 @@ def test_workers_refuse_what_they_cannot_serve_by_name(saved_model, tmp_path):
 
 
 def test_a_run_that_starts_its_own_ray_leaves_no_ray_process(saved_model, tmp_path):
+    """A run that starts its own Ray stops it however it ends: no process, no shared-memory file remains."""
     run, short = tmp_path / "run", Path(tempfile.mkdtemp(prefix="t", dir="/tmp"))  # Ray's sockets need short paths
     env = {**os.environ, "TMPDIR": str(short), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "dllm_rl.cli", "train", f"model={saved_model}", f"run_dir={run}", "steps=1",
                "task=arithmetic", "prompts_per_step=2", "group_size=2", "minibatch_size=4", "eval_every=0",
                "external=none", "rollout.gen_length=16", "rollout.block_length=8", "rollout.steps=8",
                "workers.count=1", "workers.timeout_s=120", "tensorboard=false"]
+    shared = set(os.listdir("/dev/shm"))  # Ray's object store lives in shared memory
     out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert set(os.listdir("/dev/shm")) <= shared  # no shared-memory file left behind
     assert metrics_of(run)[0]["rollout/policy_version"] == 1.0
     assert any(p.name.startswith("dllm-ray-") for p in short.iterdir())  # its Ray lived under TMPDIR ...
     assert not processes_mentioning(str(short))  # ... and is gone
