@@ -1,7 +1,7 @@
 """Training with exact against fast rollouts: the main job (`dllm-rl train`, the embedded models) for each seed,
 once with the exact sampler and once with a fast one, reward curves and held-out greedy pass@1 side by side.
 
-Held-out evaluation always decodes exactly (dllm_rl/train.py), so the two arms are scored the same way; the
+Held-out evaluation always decodes exactly (dllm_rl/run_setup.py), so the two arms are scored the same way; the
 rollout seconds per step are the speed. Prints a table and writes JSON.
 
     python scripts/compare_samplers.py --seeds 0 1 --out docs/sampler_comparison.json

@@ -46,7 +46,7 @@ def test_a_piped_step_equals_the_synchronous_update(extra, saved_model, tmp_path
     options["minibatch_size"] = options["prompts_per_step"] * options["group_size"]
     local, piped = tmp_path / "local", tmp_path / "piped"
     train(DigitShare(), run_dir=str(local), **options)
-    monkeypatch.setattr("dllm_rl.train.remote_collect",
+    monkeypatch.setattr("dllm_rl.run_setup.remote_collect",
                         lambda cfg, workers, task, learned, rollouts, prompts, collect, state:
                         GroupsOneByOne(prompts, rollouts, task, cfg.group_size))
     train(DigitShare(), run_dir=str(piped), workers={"count": 1, "pipe": True}, **options)
@@ -108,7 +108,7 @@ def test_a_non_finite_loss_mid_step_skips_the_update_and_still_takes_every_group
                 handed.append(group.prompt_ids[0])
                 yield group
 
-    monkeypatch.setattr("dllm_rl.train.remote_collect",
+    monkeypatch.setattr("dllm_rl.run_setup.remote_collect",
                         lambda cfg, workers, task, learned, rollouts, prompts, collect, state:
                         Counting(prompts, rollouts, task, cfg.group_size))
     run = tmp_path / "run"
