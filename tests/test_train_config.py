@@ -88,7 +88,7 @@ def test_the_espo_recipe_has_espos_settings():
 
 def test_held_out_pass_at_1_decodes_exactly_and_greedily_whatever_the_rollouts_use():
     from dllm_rl.rollout.sampler import check_sampler_settings
-    from dllm_rl.train import held_out_settings
+    from dllm_rl.run_setup import held_out_settings
 
     fast = TrainConfig(rollout={"threshold": 0.9, "cache": "dual", "random_first": True, "temperature": 0.0,
                                 "temperature_floor": 0.8}).sampler

@@ -67,33 +67,6 @@ def test_workers_roll_out_what_the_learner_would_from_the_published_snapshot(ray
     assert not torch.equal(unperturbed.sequences_BL, got[0].samples.sequences_BL)  # the snapshot mattered
 
 
-def test_workers_that_receive_snapshots_by_broadcast_roll_out_what_the_learner_would(ray_session):
-    """workers.transport=broadcast: one gloo group of this process and two actors; two snapshots in a row
-    arrive by broadcast (checksummed), and the rollouts are the learner's of each."""
-    pool = WorkerPool(2, MODEL, SAMPLER, bf16=False, timeout_s=120)
-    try:
-        pool.join_broadcast()
-        publisher = Publisher(pool.sender)
-        chunks = [(PROMPTS[:2], [31, 32]), (PROMPTS[2:], [33, 34])]
-        got = {}
-        for seed in (4, 5):
-            policy, tokenizer = perturbed_policy(seed=seed)
-            pool.load(publisher.publish(policy.model.state_dict(), step=seed))
-            got[seed] = (policy, tokenizer, pool.generate(chunks))
-    finally:
-        pool.close()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the workers run
-    try:
-        for seed, (policy, tokenizer, results) in got.items():
-            with torch.no_grad():
-                expected = [TextGenerator(policy, tokenizer, **SAMPLER).sample(p, s) for p, s in chunks]
-            assert [r.step for r in results] == [seed, seed]
-            assert all(torch.equal(r.samples.sequences_BL, e.sequences_BL) for r, e in zip(results, expected))
-    finally:
-        torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("kind", ["llada", "dream"])
 def test_workers_hold_the_published_llada_and_dream_code_and_roll_out_alike(ray_session, kind, char_tokenizer,
                                                                              tmp_path):
