@@ -250,6 +250,8 @@ class CollectRollouts:
     curation: Curation
     dp: DataParallel
     pad_id: int
+    # called with each round's prompts before they are generated (ERILS's served source starts its requests)
+    before_generate: Callable[[StepBatch], None] | None = None
 
     def __call__(self, step: int) -> StepBatch:
         cur = self.curation
@@ -257,6 +259,8 @@ class CollectRollouts:
         drawn, batch = self.prompts(step), None
         while drawn:
             part = self.prompts.batch(step, drawn, cur.allocate(step, drawn))
+            if self.before_generate is not None:
+                self.before_generate(part)
             part.rows["on_policy"] = self.rollouts(part)
             cur.select(part)
             verify(part, self.task)

@@ -286,7 +286,8 @@ def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned,
                       autocast, cfg.ref_sync_every, cfg.max_bad_steps, bad_steps=state["bad_steps"],
                       micro_rows=cfg.micro_batch_rows, micro_forwards=cfg.micro_batch_forwards)
     rollouts = InProcessRollouts(sampler, estimator, cfg.seed, generating)
-    collect = CollectRollouts(prompts, rollouts, task, curation, dp, pad_id=tokenizer.pad_token_id)
+    collect = CollectRollouts(prompts, rollouts, task, curation, dp, pad_id=tokenizer.pad_token_id,
+                              before_generate=external.prefetch if external is not None else None)
     workers = WorkersConfig(**cfg.workers)
     if workers.count > 0:
         collect = remote_collect(cfg, workers, task, learned, rollouts, prompts, collect, state)

@@ -57,7 +57,8 @@ from dllm_rl.seeds import derive_seed
 
 # Metrics that count rows or prompts: added up over data-parallel ranks (every other metric is averaged).
 COUNTS = tuple(f"external/{k}" for k in ("candidates", "too_long", "truncated", "unrepresentable", "incorrect",
-                                         "prompts", "rows")) + ("rollouts/on_policy", "curation/dropout_dropped",
+                                         "prompts", "rows", "requests", "failed_requests", "retries",
+                                         "prefetched", "empty", "length_stopped")) + ("rollouts/on_policy", "curation/dropout_dropped",
                                                                 "curation/dropout_positive") + tuple(
     f"curation/{kind}_{what}" for kind in ("echo", "echo_external") for what in ("clips", "tokens")) + (
     "curation/hindsight_rows", "curation/hindsight_failed")
@@ -100,6 +101,12 @@ class ExternalRollouts:
             rows.prompt_N = torch.tensor(active, device=rows.prompt_N.device)[rows.prompt_N]
             batch.rows["external"] = rows
         batch.metrics.update(metrics)
+
+
+    def prefetch(self, batch: StepBatch) -> None:
+        """Before the dLLM generates: start the source's requests for these prompts (`ExternalMixer.prefetch`)."""
+        self.mixer.prefetch(step=batch.step, seed=self.seed, task=self.task, examples=batch.examples,
+                            prompt_ids=batch.prompt_ids)
 
 
 def assign_advantages(batch: StepBatch, advantage: str, mixer, dp: DataParallel) -> None:

@@ -149,9 +149,11 @@ def drawn_ahead(run: Run) -> dict[str, Any]:
 
 
 def close_rollouts(run: Run) -> None:
-    close = getattr(rollout_stage(run), "close", None)
-    if close is not None:
-        close()
+    """Stop what produces rollouts: the rollout workers, and an external source's threads and connections."""
+    for owner in (rollout_stage(run), run.mixer.source if run.mixer is not None else None):
+        close = getattr(owner, "close", None)
+        if close is not None:
+            close()
 
 
 def resume_hint(run: Run) -> str:

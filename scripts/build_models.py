@@ -114,6 +114,8 @@ def evaluate_and_save(out: Path, model, tokenizer, generator: TextGenerator, eva
     evals = evaluate_all(generator, eval_prompts, str(out))
     seconds = time.perf_counter() - start
     out.mkdir(parents=True, exist_ok=True)
+    if "CausalLM" in type(model).__name__:  # a serving engine (transformers serve) samples only where this says so
+        model.generation_config.do_sample = True
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     record = {"evals": evals, "gen_length": generator.gen_length, "sft_log": log, "build_seconds": seconds}

@@ -106,6 +106,10 @@ class ExternalMixer:
                 f"mixing.correction=is weighs external rows by exp(log pi - log mu) over the whole sequence; the "
                 f"{self.estimator.name} estimator gives another quantity (a normalised ELBO, a bound chosen by the "
                 f"advantage): choose another mixing.likelihood")
+        require(not (config.correction == "is" and getattr(source, "behaviour_logp", True) is False),
+                f"mixing.correction=is needs each external rollout's behaviour log-prob; the {source.name} source "
+                f"at {getattr(source, 'base_url', '?')} returns none (transformers serve gives none; vLLM and SGLang "
+                f"do): choose mixing.correction=none or shaping")
         self.baseline = 0.0  # running mean of external rewards (statistic=running); saved with checkpoints
         self.warned: set[str] = set()
 
@@ -117,6 +121,18 @@ class ExternalMixer:
             print_fn(f"external source {self.source.name}: rollouts for {covered(examples)} of {len(examples)} train prompts")
 
     # ------------------------------------------------------------------------------------ external rows
+
+    def seeds(self, seed: int, step: int, prompt_ids: list[int]) -> list[list[int]]:
+        """The source's seed for each rollout asked of each prompt (by global prompt id)."""
+        asked = self.config.per_prompt * self.config.candidates
+        return [[derive_seed(seed, "external", step, q, j) for j in range(asked)] for q in prompt_ids]
+
+    def prefetch(self, *, step: int, seed: int, task: Task, examples: list[Example], prompt_ids: list[int]) -> None:
+        """Start the source's work for these prompts before the dLLM's rollouts, where the source can (a served
+        model) and the trigger fires for every prompt whatever the rollouts do (`always`)."""
+        if self.config.trigger == "always" and hasattr(self.source, "prefetch") and examples:
+            self.source.prefetch(task, examples, self.config.per_prompt * self.config.candidates,
+                                 self.seeds(seed, step, prompt_ids))
 
     def rows(self, *, step: int, seed: int, task: Task, examples: list[Example], prompt_texts: list[str],
              correct_BG: torch.Tensor, tokenizer, window: int, eos_id: int, max_length: int | None,
@@ -135,7 +151,7 @@ class ExternalMixer:
         fire_B = mixing.triggered(correct_BG, c.trigger, step=step, decay_steps=c.decay_steps, uniform_B=uniform_B)
         chosen = fire_B.nonzero().squeeze(-1).tolist()
         asked = c.per_prompt * c.candidates
-        seeds = [[derive_seed(seed, "external", step, ids[b], j) for j in range(asked)] for b in chosen]
+        seeds = self.seeds(seed, step, [ids[b] for b in chosen])
         got = self.source.rollouts(task, [examples[b] for b in chosen], asked, seeds) if chosen else []
 
         kept: list[tuple[int, Any, Any, float | None]] = []  # (prompt, bridged, reward, behaviour logp)

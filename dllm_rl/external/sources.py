@@ -11,8 +11,10 @@ its behaviour log-probability log mu(y | x) (needed by the capped importance-wei
 | causal_lm | a Hugging Face causal LM from a local path, batched | sum of the sampled tokens' log-probs   |
 | jsonl     | precomputed rollouts, one JSON object per line      | the line's `behaviour_logp`, if given  |
 | solver    | the task's exact solver (Sudoku, Countdown, ...)    | 0 (a deterministic policy: mu(y|x)=1)  |
+| openai    | a model behind an OpenAI-compatible server (vLLM, SGLang, `transformers serve`; `served.py`) | the returned tokens' log-probs, where the server gives them |
 
-Every source is deterministic given the seeds it is handed, so a resumed run sees the same external rows.
+Every source is deterministic given the seeds it is handed, so a resumed run sees the same external rows (a served
+model only where its server honours per-request seeds: vLLM does, `transformers serve` with one request at a time).
 """
 
 from __future__ import annotations
@@ -21,39 +23,18 @@ import inspect
 import json
 import math
 import random
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from dllm_rl.data.task import Example, Solution, Task, render_completion, render_prompt
+from dllm_rl.external.base import ExternalRollout, ExternalSource
+from dllm_rl.external.served import OpenAISource
 from dllm_rl.errors import ConfigError, check_kwargs, check_ranges, check_types, pick, require
 from dllm_rl.rollout.sampler import first_eos
 from dllm_rl.rollout.causal import SpeculativeStats
 from dllm_rl.rollout.speculative import DraftForest
-
-
-@dataclass(frozen=True)
-class ExternalRollout:
-    """One external completion of the step's prompt number `prompt_index`."""
-
-    prompt_index: int
-    text: str
-    source: str
-    behaviour_logp: float | None = None
-
-
-class ExternalSource(Protocol):
-    """A source may also have `step_metrics() -> dict[str, float]`, about its last `rollouts` call (logged as
-    external/<key>)."""
-
-    name: str
-
-    def rollouts(self, task: Task, examples: Sequence[Example], count: int,
-                 seeds: Sequence[Sequence[int]]) -> list[list[ExternalRollout]]:
-        """`count` rollouts for each example (seeds[i][j] for rollout j of example i); one list per example."""
-        ...
 
 
 class CausalLMSource:
@@ -204,6 +185,7 @@ SOURCES: dict[str, Callable[..., ExternalSource]] = {
     "causal_lm": CausalLMSource,
     "jsonl": JsonlSource,
     "solver": SolverSource,
+    "openai": OpenAISource,
 }
 
 

@@ -1,0 +1,163 @@
+"""Servers for the served external source's tests: the real `transformers serve` on the embedded tiny AR model,
+and a hostile stand-in for what a real server will not do on demand (refuse, fail, stall, return garbage).
+
+The stand-in answers like `transformers serve` does when it works (the same routes, a 400 naming the pinned model
+for any other, `logprobs: null`), so the source cannot tell them apart until it is told to misbehave."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY_AR = ROOT / "models" / "tiny-ar"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+class TransformersServe:
+    """`transformers serve <model>` on a free loopback port, in its own process group; `stop` ends the group."""
+
+    def __init__(self, model: Path = TINY_AR, ready_s: float = 120.0):
+        self.port = free_port()
+        self.model = str(model)
+        self.base_url = f"http://127.0.0.1:{self.port}/v1"
+        cli = Path(sys.executable).with_name("transformers")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+        self.log = open(os.devnull, "wb")
+        self.process = subprocess.Popen([str(cli), "serve", self.model, "--device", "cpu", "--host", "127.0.0.1",
+                                         "--port", str(self.port)], stdout=self.log, stderr=self.log, env=env,
+                                        start_new_session=True)
+        deadline = time.monotonic() + ready_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"transformers serve exited with {self.process.returncode} before it was ready")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1).read()
+                return
+            except OSError:
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"transformers serve was not ready within {ready_s} s")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self.log.close()
+
+
+class Hostile:
+    """An OpenAI-compatible stand-in serving `model`; `mode` says how it answers completions from now on:
+    ok | error500 | stall | garbage | truncated | no_choices | empty | unauthorized. `fail_first` answers that
+    many completion requests with HTTP 500 before following `mode`; `logprobs` (a list) makes it return them.
+    It counts the completion requests and keeps their Authorization headers (`keys`)."""
+
+    def __init__(self, model: str = "stub", text: str = "<answer>0</answer>", stall_s: float = 5.0):
+        self.model, self.text, self.stall_s = model, text, stall_s
+        self.mode, self.fail_first, self.requests, self.keys = "ok", 0, 0, []
+        self.logprobs: list[float] | None = None
+        self.lock = threading.Lock()
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # quiet
+                pass
+
+            def do_GET(self):
+                if self.path.rstrip("/").endswith("/models"):
+                    return self.send(200, {"object": "list", "data": [{"id": owner.model, "object": "model"}]})
+                if self.path == "/health":
+                    return self.send(200, {"status": "ok"})
+                self.send(404, {"detail": "Not Found"})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                with owner.lock:
+                    owner.requests += 1
+                    owner.keys.append(self.headers.get("Authorization"))
+                    failing = owner.fail_first > 0
+                    owner.fail_first -= failing
+                if body.get("model") != owner.model:
+                    return self.send(400, {"detail": f"Server is pinned to {owner.model!r}; requested {body.get('model')!r}."})
+                mode = "error500" if failing else owner.mode
+                if mode == "stall":
+                    time.sleep(owner.stall_s)
+                if mode == "error500":
+                    return self.send(500, {"detail": "Internal Server Error"})
+                if mode == "unauthorized":
+                    return self.send(401, {"error": {"message": "Invalid API key"}})
+                if mode == "garbage":
+                    return self.raw(200, b"<html>502 Bad Gateway</html>{")
+                if mode == "truncated":
+                    return self.raw(200, json.dumps(owner.reply("x" * 40)).encode()[:37])
+                if mode == "no_choices":
+                    return self.send(200, {"id": "c", "object": "text_completion", "choices": []})
+                chat = self.path.rstrip("/").endswith("/chat/completions")
+                self.send(200, owner.reply("" if mode == "empty" else owner.text, chat))
+
+            def send(self, status, obj):
+                self.raw(status, json.dumps(obj).encode())
+
+            def raw(self, status, data):
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                try:
+                    self.wfile.write(data)
+                except OSError:  # the client gave up (a stalled request past its timeout)
+                    pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.base_url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
+        self.thread.start()
+
+    def reply(self, text: str, chat: bool = False) -> dict:
+        """A completion as `transformers serve` writes it (`logprobs: null`), or with `self.logprobs` (per-token
+        log-probs) as vLLM writes them."""
+        lps = self.logprobs
+        if chat:
+            logprobs = None if lps is None else {"content": [{"token": f"t{k}", "logprob": lp, "bytes": None,
+                                                              "top_logprobs": []} for k, lp in enumerate(lps)]}
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop",
+                      "logprobs": logprobs}
+        else:
+            logprobs = None if lps is None else {"tokens": [f"t{k}" for k in range(len(lps))], "token_logprobs": lps,
+                                                 "top_logprobs": None, "text_offset": list(range(len(lps)))}
+            choice = {"index": 0, "text": text, "finish_reason": "stop", "logprobs": logprobs}
+        return {"id": "c", "object": "chat.completion" if chat else "text_completion", "created": 0,
+                "model": self.model, "choices": [choice],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+
+    def stop(self) -> None:
+        """Gone: the port refuses connections from now on."""
+        self.server.shutdown()
+        self.server.server_close()
