@@ -75,7 +75,7 @@ class OpenAISource:
     def __init__(self, base_url: str, model: str, api: str = "completions", api_key_env: str | None = None,
                  temperature: float = 1.0, top_p: float = 1.0, max_new_tokens: int = 96, stop: list | None = None,
                  concurrency: int = 8, timeout: float = 60.0, retries: int = 2, backoff: float = 0.5,
-                 require_behaviour_logp: bool = False, max_failed_steps: int = 20):
+                 require_behaviour_logp: bool = False, max_failed_steps: int = 20, prefetch: bool = True):
         try:
             import openai
         except ImportError:
@@ -101,6 +101,7 @@ class OpenAISource:
         self.sampling = {"temperature": temperature, "top_p": top_p, "max_tokens": max_new_tokens,
                          **({"stop": list(stop)} if stop else {})}
         self.retries, self.backoff, self.max_failed_steps = retries, backoff, max_failed_steps
+        self.early = prefetch
         self.pool = ThreadPoolExecutor(concurrency, thread_name_prefix="external-openai")
         self.pending: dict[tuple[str, int], Future] = {}
         self.failed_steps, self.metrics = 0, {}
@@ -194,7 +195,9 @@ class OpenAISource:
 
     def prefetch(self, task, examples, count, seeds) -> None:
         """Start the requests that `rollouts` with the same arguments will make (a prompt filtered out meanwhile
-        costs its requests, nothing else)."""
+        costs its requests, nothing else). Nothing with `prefetch=false` (requests start at the external stage)."""
+        if not self.early:
+            return
         for i, example in enumerate(examples):
             prompt = task.prompt(example)
             for j in range(count):
@@ -229,7 +232,8 @@ class OpenAISource:
                         "retries": float(sum(r.retries for r in replies)), "prefetched": float(reused),
                         "empty": float(sum(r.text == "" for r in done)),
                         "length_stopped": float(sum(r.finish == "length" for r in done)),
-                        "request_s": sum(r.seconds for r in done) / max(1, len(done)), "wait_s": waited}
+                        "request_s": sum(r.seconds for r in done) / max(1, len(done)),
+                        "request_max_s": max((r.seconds for r in done), default=0.0), "wait_s": waited}
         if not replies or done:
             self.failed_steps = 0
             return
@@ -243,8 +247,8 @@ class OpenAISource:
                       f"the step goes on without external rows ({self.failed_steps}/{self.max_failed_steps})")
 
     def step_metrics(self) -> dict[str, float]:
-        """Requests, failures, retries, empty and length-stopped completions, mean request seconds and the seconds
-        `rollouts` waited for them (near 0 when prefetched requests finished during the dLLM's rollouts)."""
+        """Requests, failures, retries, empty and length-stopped completions, the mean and the slowest request's
+        seconds, and the seconds `rollouts` waited for them (near 0 when prefetched requests finished during the dLLM's rollouts)."""
         return dict(self.metrics)
 
     def close(self) -> None:

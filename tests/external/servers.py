@@ -1,75 +1,20 @@
 """Servers for the served external source's tests: the real `transformers serve` on the embedded tiny AR model,
 and a hostile stand-in for what a real server will not do on demand (refuse, fail, stall, return garbage).
 
-The stand-in answers like `transformers serve` does when it works (the same routes, a 400 naming the pinned model
-for any other, `logprobs: null`), so the source cannot tell them apart until it is told to misbehave."""
+The real servers' launchers are `dllm_rl.external.local_server`'s. The stand-in answers like `transformers serve`
+does when it works (the same routes, a 400 naming the pinned model for any other, `logprobs: null`), so the
+source cannot tell them apart until it is told to misbehave."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_AR = ROOT / "models" / "tiny-ar"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-class TransformersServe:
-    """`transformers serve <model>` on a free loopback port, in its own process group; `stop` ends the group."""
-
-    def __init__(self, model: Path = TINY_AR, ready_s: float = 120.0):
-        self.port = free_port()
-        self.model = str(model)
-        self.base_url = f"http://127.0.0.1:{self.port}/v1"
-        cli = Path(sys.executable).with_name("transformers")
-        env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-        self.log = open(os.devnull, "wb")
-        self.process = subprocess.Popen([str(cli), "serve", self.model, "--device", "cpu", "--host", "127.0.0.1",
-                                         "--port", str(self.port)], stdout=self.log, stderr=self.log, env=env,
-                                        start_new_session=True)
-        deadline = time.monotonic() + ready_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"transformers serve exited with {self.process.returncode} before it was ready")
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1).read()
-                return
-            except OSError:
-                time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"transformers serve was not ready within {ready_s} s")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        self.log.close()
 
 
 class Hostile:

@@ -17,7 +17,8 @@ from dllm_rl.external.served import OpenAISource, ServerRefused
 from dllm_rl.likelihood.estimators import build_estimator
 from dllm_rl.train import train
 from tests.conftest import DigitShare
-from tests.external.servers import ROOT, TransformersServe, alive, free_port
+from dllm_rl.external.local_server import TransformersServe, alive, free_port
+from tests.external.servers import ROOT, TINY_AR
 
 SECRET = "sk-test-3f9a1c7e"
 
@@ -31,10 +32,12 @@ def test_served_rollouts_arrive_verify_and_honour_seeds(served_tiny_ar):
     sudoku, countdown = build_task("sudoku"), build_task("countdown")
     source = OpenAISource(served_tiny_ar.base_url, served_tiny_ar.model, concurrency=1, max_new_tokens=64)
     try:
-        assert source.behaviour_logp is False  # transformers serve returns no log-probs
+        assert source.behaviour_logp is served_tiny_ar.gives_logprobs  # transformers serve returns none, vLLM does
         puzzles = sudoku.examples("train", 4, 0)
         rows = source.rollouts(sudoku, puzzles, 2, seeds_for(4, 2))
-        assert [len(r) for r in rows] == [2, 2, 2, 2] and all(r.behaviour_logp is None for rs in rows for r in rs)
+        assert [len(r) for r in rows] == [2, 2, 2, 2]
+        logps = [r.behaviour_logp for rs in rows for r in rs]
+        assert all((lp is not None and lp < 0) if served_tiny_ar.gives_logprobs else lp is None for lp in logps)
         assert sum(sudoku.reward(r.text, puzzles[i]).correct for i, rs in enumerate(rows) for r in rs) >= 4
         assert source.step_metrics()["requests"] == 8 and source.step_metrics()["failed_requests"] == 0
         numbers = countdown.examples("train", 3, 0)
@@ -54,13 +57,16 @@ def test_served_start_up_refuses_a_wrong_model_and_options_that_need_log_probs(s
     with pytest.raises(ConfigError, match=r"external.model='qwen'.*serves \[") as error:
         OpenAISource(url, "qwen")
     assert model in str(error.value)
+    with pytest.raises(ConfigError, match=r"external.base_url='http://127.0.0.1:\d+/v1': no OpenAI-compatible"):
+        OpenAISource(f"http://127.0.0.1:{free_port()}/v1", model, retries=1, backoff=0.01)
+    if served_tiny_ar.gives_logprobs:  # vLLM: what needs them is accepted
+        OpenAISource(url, model, require_behaviour_logp=True).close()
+        return
     with pytest.raises(ConfigError, match="require_behaviour_logp=true.*no per-token log-probs"):
         OpenAISource(url, model, require_behaviour_logp=True)
     with pytest.raises(ConfigError, match="mixing.correction=is needs each external rollout's behaviour log-prob"):
         build_mixer({"name": "openai", "base_url": url, "model": model}, {"correction": "is"},
                     build_estimator({"name": "mean_field"}))
-    with pytest.raises(ConfigError, match=r"external.base_url='http://127.0.0.1:\d+/v1': no OpenAI-compatible"):
-        OpenAISource(f"http://127.0.0.1:{free_port()}/v1", model, retries=1, backoff=0.01)
 
 
 @pytest.mark.slow
@@ -90,8 +96,41 @@ def test_a_training_run_with_a_served_external_policy(served_tiny_ar, tmp_path, 
     assert not any(SECRET.encode() in f.read_bytes() for f in run.rglob("*") if f.is_file())
 
 
+@pytest.mark.vllm
+def test_vllm_log_probs_equal_the_models_teacher_forced_log_probs(served_tiny_ar):
+    """vLLM's returned per-token log-probs (temperature 1, so the raw and the sampling distribution agree) against
+    the tiny AR model's own teacher-forced log-softmax over the same token ids: within 1e-4 per token."""
+    if not served_tiny_ar.gives_logprobs:
+        pytest.skip("transformers serve returns no log-probs; this compares vLLM's")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(served_tiny_ar.model, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(served_tiny_ar.model)
+    task = build_task("countdown")
+    source = OpenAISource(served_tiny_ar.base_url, served_tiny_ar.model, max_new_tokens=48)
+    try:
+        for k, example in enumerate(task.examples("train", 3, 0)):
+            prompt = task.prompt(example)
+            reply = source.client.completions.create(model=source.model, prompt=prompt, max_tokens=48, temperature=1.0,
+                                                     seed=k, logprobs=0, extra_body={"return_token_ids": True})
+            choice = reply.choices[0]
+            prompt_ids = getattr(choice, "prompt_token_ids", None) or reply.model_extra.get("prompt_token_ids") \
+                or tokenizer(prompt)["input_ids"]
+            completion_ids = choice.token_ids
+            ids = torch.tensor([prompt_ids + completion_ids])
+            with torch.no_grad():
+                logp = model(ids).logits[0, len(prompt_ids) - 1 : -1].log_softmax(-1)
+            forced = logp.gather(-1, torch.tensor(completion_ids)[:, None])[:, 0]
+            served = torch.tensor(choice.logprobs.token_logprobs, dtype=torch.float32)
+            assert torch.allclose(served, forced, atol=1e-4), (served - forced).abs().max()
+            rows = source.rollouts(task, [example], 1, [[k]])
+            assert rows[0][0].behaviour_logp == pytest.approx(float(served.sum()), abs=1e-6)
+    finally:
+        source.close()
+
+
 def test_a_server_started_for_a_test_leaves_no_process(tmp_path):
-    server = TransformersServe()
+    server = TransformersServe(TINY_AR)
     pid = server.process.pid
     server.stop()
     assert not alive(pid)
