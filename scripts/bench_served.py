@@ -72,7 +72,8 @@ def table(results: dict[str, dict[str, float]]) -> str:
         lines.append(f"| {name} | {r['step_s']:.2f} | {base / r['step_s']:.2f} | {r['external_s']:.2f} | "
                      f"{r['wait_s']:.2f} | {r['request_s']:.3f} | {r['request_max_s']:.3f} | {tail} |"
                      if r["request_s"] else
-                     f"| {name} | {r['step_s']:.2f} | {base / r['step_s']:.2f} | {r['external_s']:.2f} | - | - | - | - |")
+                     f"| {name} | {r['step_s']:.2f} | {base / r['step_s']:.2f} | {r['external_s']:.2f} "
+                     "| - | - | - | - |")
     return "\n".join(lines)
 
 

@@ -172,8 +172,9 @@ class OpenAISource:
     def create(self, prompt: str, sampling: dict) -> tuple[str, float | None, str | None]:
         """(text, the sum of the sampled tokens' log-probs or None, finish reason) of one request."""
         if self.api == "chat":
-            reply = self.client.chat.completions.create(model=self.model, messages=[{"role": "user", "content": prompt}],
-                                                        logprobs=True, top_logprobs=0, **sampling)
+            messages = [{"role": "user", "content": prompt}]
+            reply = self.client.chat.completions.create(model=self.model, messages=messages, logprobs=True,
+                                                        top_logprobs=0, **sampling)
             choice = first_choice(reply)
             text = choice.message.content if choice.message is not None else None
             tokens = getattr(choice.logprobs, "content", None)
@@ -248,7 +249,8 @@ class OpenAISource:
 
     def step_metrics(self) -> dict[str, float]:
         """Requests, failures, retries, empty and length-stopped completions, the mean and the slowest request's
-        seconds, and the seconds `rollouts` waited for them (near 0 when prefetched requests finished during the dLLM's rollouts)."""
+        seconds, and the seconds `rollouts` waited for them (near 0 when prefetched requests finished during the
+        dLLM's rollouts)."""
         return dict(self.metrics)
 
     def close(self) -> None:

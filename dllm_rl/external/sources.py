@@ -11,7 +11,7 @@ its behaviour log-probability log mu(y | x) (needed by the capped importance-wei
 | causal_lm | a Hugging Face causal LM from a local path, batched | sum of the sampled tokens' log-probs   |
 | jsonl     | precomputed rollouts, one JSON object per line      | the line's `behaviour_logp`, if given  |
 | solver    | the task's exact solver (Sudoku, Countdown, ...)    | 0 (a deterministic policy: mu(y|x)=1)  |
-| openai    | a model behind an OpenAI-compatible server (vLLM, SGLang, `transformers serve`; `served.py`) | the returned tokens' log-probs, where the server gives them |
+| openai    | a model behind an OpenAI-compatible server (`served.py`) | the returned tokens' log-probs, or None |
 
 Every source is deterministic given the seeds it is handed, so a resumed run sees the same external rows (a served
 model only where its server honours per-request seeds: vLLM does, `transformers serve` with one request at a time).

@@ -49,7 +49,8 @@ class Hostile:
                     failing = owner.fail_first > 0
                     owner.fail_first -= failing
                 if body.get("model") != owner.model:
-                    return self.send(400, {"detail": f"Server is pinned to {owner.model!r}; requested {body.get('model')!r}."})
+                    pinned = f"Server is pinned to {owner.model!r}; requested {body.get('model')!r}."
+                    return self.send(400, {"detail": pinned})
                 mode = "error500" if failing else owner.mode
                 if mode == "stall":
                     time.sleep(owner.stall_s)
