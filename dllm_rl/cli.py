@@ -110,6 +110,12 @@ def run_export(cfg: dict[str, Any]) -> None:
     export_checkpoint(**cfg)
 
 
+def run_plan(cfg: dict[str, Any]) -> None:
+    from dllm_rl.workers.plan import run
+
+    run(cfg)
+
+
 # name -> (what it does, config file, runner taking the resolved config as plain dicts)
 COMMANDS: dict[str, tuple[str, str, Callable[[dict[str, Any]], None]]] = {
     "tasks": ("print examples of a task and check its rewards and solver", "tasks", run_tasks),
@@ -119,6 +125,8 @@ COMMANDS: dict[str, tuple[str, str, Callable[[dict[str, Any]], None]]] = {
     "train": ("GRPO on a masked-diffusion policy (resume=<run dir> continues a run)", "train", run_train),
     "export": ("consolidate a (ZeRO-sharded) training checkpoint into a Hugging Face model directory", "export",
                run_export),
+    "plan": ("the cheapest mix of rollout workers that keeps the learner at a target utilisation (--measure: "
+             "this machine's numbers)", "plan", run_plan),
 }
 
 
@@ -342,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
         doc, config_name, runner = pick(COMMANDS, args[0], "command")
         quiet_libraries()
         flags = {a for a in args[1:] if a.startswith("-") and "=" not in a}
+        if args[0] == "plan" and "--measure" in flags:  # the planner's one flag: measure=true
+            flags.discard("--measure")
+            args = [*(a for a in args if a != "--measure"), "measure=true"]
         unknown = flags - {"--cfg", "--help", "-h"}
         if unknown:
             raise ConfigError(f"unknown flag(s) {sorted(unknown)}; expected --cfg, --help or -h")
