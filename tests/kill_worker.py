@@ -148,9 +148,10 @@ def main(out: Path, seed: int, trials: int) -> None:
             kill["step"] = rng.randint(start + 1, STEPS)
         else:
             kill["step"] = rng.choice(range(start + 2, STEPS + 1, 2))
-        status = attempt(run, resume=i > 0, kill=kill)
+        # a resume where the run directory exists (an attempt killed before it made one starts the run again)
+        status = attempt(run, resume=run.is_dir(), kill=kill)
         log.append({**kill, "status": status})
-    log.append({"where": "finish", "status": attempt(run, resume=True, kill=None)})
+    log.append({"where": "finish", "status": attempt(run, resume=run.is_dir(), kill=None)})
     (out / "attempts.json").write_text(json.dumps({"straight_s": duration, "attempts": log}, indent=1))
 
 

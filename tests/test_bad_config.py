@@ -120,10 +120,20 @@ TASKS = [("n=0", "n must be a positive integer"), ("check=-1", "check must be a 
 EXPORT = [("checkpoint=/nonexistent/c", "expected a training checkpoint directory"),
           ("checkpoint=/nonexistent/c device=tpu", "device='tpu': expected auto, cpu, cuda or cuda:N"),
           ("checkpoint=/nonexistent/c output_dir=/tmp/x", "expected a training checkpoint directory")]
+PLAN = [("max_staleness=-1", "max_staleness=-1: expected an integer >= 0 (0 = synchronous)"),
+        ("kinds={cpu:{throughput:-1,price:1}}", "kinds.cpu.throughput=-1: expected a finite number > 0"),
+        ("kinds={cpu:{throughput:1,price:-2}}", "kinds.cpu.price=-2: expected a finite number >= 0"),
+        ("kinds={cpu:{throughput:1,speed:2,price:1}}", "kinds.cpu={'throughput': 1, 'speed': 2, 'price': 1}: expected"),
+        ("target_utilisation=1.5 kinds={cpu:{throughput:1.5,price:0.1}}", "target_utilisation=1.5: expected a number in (0, 1]"),
+        ("group_size=5 kinds={cpu:{throughput:1.5,price:0.1}}", "group_size=5: expected a divisor of batch=48"),
+        ("train_s=0", "train_s=0: expected seconds > 0"), ("publish_s=-1", "publish_s=-1: expected seconds >= 0"),
+        ("kinds={}", "kinds: expected at least one worker kind"),
+        ("max_staleness=0 publish_s=1 target_utilisation=0.99 kinds={cpu:{throughput:1.5,price:0.1}}", "no feasible mix: with max_staleness=0")]
 
 CASES = ([("train", o, m) for o, m in TRAIN] + [("eval", o, m) for o, m in EVAL]
          + [("generate", o, m) for o, m in GENERATE] + [("sft", o, m) for o, m in SFT]
-         + [("tasks", o, m) for o, m in TASKS] + [("export", o, m) for o, m in EXPORT])
+         + [("tasks", o, m) for o, m in TASKS] + [("export", o, m) for o, m in EXPORT]
+         + [("plan", o, m) for o, m in PLAN])
 
 
 def test_the_table_is_long_and_covers_every_command():
@@ -135,7 +145,8 @@ def test_a_bad_value_is_a_named_error(command, overrides, message, saved_model, 
     base = {"train": [f"model={saved_model}", f"run_dir={tmp_path / 'run'}", "steps=1", "eval_every=0"],
             "eval": [f"model={saved_model}", f"output_dir={tmp_path / 'eval'}"], "generate": [f"model={saved_model}"],
             "sft": [f"model={saved_model}", f"output_dir={tmp_path / 'sft'}", "steps=1"], "tasks": ["check=0"],
-            "export": [f"output_dir={tmp_path / 'out'}"]}[command]
+            "export": [f"output_dir={tmp_path / 'out'}"],
+            "plan": ["train_s=5"]}[command]
     assert cli.main([command, *base, *overrides.split()]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.startswith("error: ") and message in err, err

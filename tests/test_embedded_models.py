@@ -34,6 +34,13 @@ def test_models_are_small_and_load():
     assert char.mask_token_id != char.pad_token_id and bpe.mask_token_id != bpe.pad_token_id
 
 
+# The dLLM's card numbers take 3 minutes to reproduce on 2 cores (200 prompts per task, one token per step): CI
+# checks its first 64 held-out prompts per task against their pinned counts (within one prompt, for numerical
+# differences between machines), and that those counts agree with the card's 200-prompt numbers within 2 standard
+# errors. `dllm-rl eval model=models/tiny-dllm task=<task> num_prompts=200 rollout.gen_length=64` reproduces the card.
+SUBSET = {"tiny-dllm": (64, {"countdown": 11, "sudoku": 22})}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["tiny-dllm", "tiny-ar"])
 def test_accuracy_matches_the_model_card(name):
@@ -41,9 +48,15 @@ def test_accuracy_matches_the_model_card(name):
     window = record["gen_length"]
     generator = load_generator(str(MODELS / name), gen_length=window, block_length=32, steps=window)
     for task_name, reported in record["evals"].items():
-        summary, _ = evaluate_task(generator, build_task(task_name), num_prompts=reported["num_prompts"],
-                                   batch_size=64, seed=0, print_fn=lambda *_: None)
-        assert summary["pass@1"] == pytest.approx(reported["pass@1"], abs=TOLERANCE), task_name
+        prompts, pinned = SUBSET.get(name, (reported["num_prompts"], None))
+        summary, _ = evaluate_task(generator, build_task(task_name), num_prompts=prompts, batch_size=64, seed=0,
+                                   print_fn=lambda *_: None)
+        if pinned is None:
+            assert summary["pass@1"] == pytest.approx(reported["pass@1"], abs=TOLERANCE), task_name
+            continue
+        assert abs(summary["pass@1"] * prompts - pinned[task_name]) <= 1, task_name
+        p = reported["pass@1"]
+        assert abs(pinned[task_name] / prompts - p) <= 2 * (p * (1 - p) / prompts) ** 0.5, task_name
 
 
 def test_the_dllm_leaves_headroom_and_the_ar_model_is_stronger():

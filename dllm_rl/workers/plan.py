@@ -109,7 +109,8 @@ class Plan:
     simulated: float = math.nan  # the same mix's utilisation in `simulate`
 
     def table(self, pipeline: Pipeline) -> str:
-        rows = ["| kind | workers | rollouts/s each | price/h each | rollouts/s | price/h |", "|---|---|---|---|---|---|"]
+        rows = ["| kind | workers | rollouts/s each | price/h each | rollouts/s | price/h |",
+                "|---|---|---|---|---|---|"]
         for kind in self.kinds:
             n = self.counts.get(kind.name, 0)
             rows.append(f"| {kind.name} | {n} | {kind.throughput:g} | {kind.price:g} | {n * kind.throughput:.3g} | "
@@ -240,6 +241,7 @@ def run(cfg: dict, print_fn=print) -> Plan:
                          **kinds.get("here", {"max_count": 16})}
         cfg = {**cfg, **{k: got[k] for k in ("train_s", "publish_s", "batch", "group_size")}, "kinds": kinds}
     require(cfg.get("train_s") is not None, "train_s=null: give the learner's seconds per step, or measure=true")
+    pipeline = Pipeline(cfg["train_s"], cfg["publish_s"], cfg["batch"], cfg["max_staleness"])
     kinds = cfg.get("kinds") or {}
     require(isinstance(kinds, dict) and kinds, "kinds: expected at least one worker kind, e.g. "
             "kinds='{cpu: {throughput: 1.5, price: 0.1, max_count: 32}}' (or measure=true for this machine's)")
@@ -248,7 +250,6 @@ def run(cfg: dict, print_fn=print) -> Plan:
         require(isinstance(spec, dict) and {"throughput", "price"} <= set(spec) <= {"throughput", "price", "max_count"},
                 f"kinds.{name}={spec!r}: expected {{throughput: rollouts/s, price: per hour, max_count: workers}}")
         parsed.append(WorkerKind(str(name), spec["throughput"], spec["price"], spec.get("max_count", 64)))
-    pipeline = Pipeline(cfg["train_s"], cfg["publish_s"], cfg["batch"], cfg["max_staleness"])
     result = plan(pipeline, parsed, cfg["target_utilisation"], cfg["group_size"])
     print_fn(result.table(pipeline))
     if cfg.get("json"):

@@ -21,7 +21,7 @@ def test_hand_computed_periods():
     assert Pipeline(5.0, 1.0, 48, 1).period(speeds, 6) == pytest.approx(5.0)  # (5 + 1 + 4) / 2 = 5 = T
     assert Pipeline(5.0, 1.0, 48, 1).utilisation([1.5] * 4, 6) == pytest.approx(5 / 8)  # B / X = 8 s binds
     # a slow worker's group holds the batch up: 8 groups on one 6/s and one 0.5/s worker
-    assert makespan([6.0, 0.5], 48, 6) == pytest.approx(12.0)  # the fast one's 7 groups end at 7 s, the slow one's 1 at 12
+    assert makespan([6.0, 0.5], 48, 6) == pytest.approx(12.0)  # the fast one's 7 groups end at 7 s, the slow one's at 12
     assert simulate(Pipeline(5.0, 1.0, 48, 0), speeds, 6) == pytest.approx(5 / 10)
 
 
@@ -92,17 +92,14 @@ def test_bad_inputs_are_named(make, message):
 
 def test_the_plan_command(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    kinds = "kinds={cpu: {throughput: 1.5, price: 0.1, max_count: 32}, h100: {throughput: 40, price: 2.5, max_count: 4}}"
+    kinds = ("kinds={cpu: {throughput: 1.5, price: 0.1, max_count: 32}, "
+             "h100: {throughput: 40, price: 2.5, max_count: 4}}")
     assert cli.main(["plan", "train_s=5", "publish_s=0.5", "max_staleness=2", "target_utilisation=0.9", kinds,
                      f"json={out}"]) == 0
     printed = capsys.readouterr().out
     saved = json.loads(out.read_text())
     assert saved["counts"] == {"cpu": 6, "h100": 0} and "| cpu | 6 |" in printed
     assert saved["utilisation"] == pytest.approx(5 / (48 / 9)) and saved["simulated"] == pytest.approx(0.94, abs=0.01)
-    assert cli.main(["plan", "train_s=5", "max_staleness=-1", kinds]) == 2
-    assert "max_staleness=-1: expected an integer >= 0" in capsys.readouterr().err
-    assert cli.main(["plan", "train_s=5", "kinds={cpu: {throughput: -1, price: 1}}"]) == 2
-    assert "kinds.cpu.throughput=-1" in capsys.readouterr().err
     assert cli.main(["plan", "train_s=5"]) == 2
     assert "kinds: expected at least one worker kind" in capsys.readouterr().err
     assert cli.main(["plan", "--help"]) == 0
