@@ -33,7 +33,7 @@ from dllm_rl import analysis  # noqa: E402
 from dllm_rl.external.local_server import TransformersServe  # noqa: E402
 
 PHASES = ("perf/rollout_s", "perf/external_s", "perf/score_s", "perf/update_s")
-KEYS = {"external_s": "perf/external_s", "wait_s": "external/wait_s", "request_s": "external/request_s",
+KEYS = {"rollout_s": "perf/rollout_s", "external_s": "perf/external_s", "wait_s": "external/wait_s", "request_s": "external/request_s",
         "request_max_s": "external/request_max_s", "candidate_len": "external/candidate_len",
         "rows": "external/rows", "failed": "external/failed_requests"}
 
@@ -64,16 +64,16 @@ def run_arm(name: str, overrides: list[str], args: argparse.Namespace, scratch: 
 
 def table(results: dict[str, dict[str, float]]) -> str:
     base = next(iter(results.values()))["step_s"]
-    lines = ["| arm | s / step | x in-process | external stage s | waited s | mean request s | slowest request s "
-             "| tail share |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| arm | s / step | x in-process | dLLM rollouts s | external stage s | waited s | mean request s "
+             "| slowest request s | tail share |", "|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         # the tail's share of the wait, where there is one to explain (no prefetch, or a prefetch that did not hide it)
         tail = (f"{(r['request_max_s'] - r['request_s']) / r['wait_s']:.2f}" if r["wait_s"] > 0.05 else "-")
-        lines.append(f"| {name} | {r['step_s']:.2f} | {base / r['step_s']:.2f} | {r['external_s']:.2f} | "
-                     f"{r['wait_s']:.2f} | {r['request_s']:.3f} | {r['request_max_s']:.3f} | {tail} |"
+        lines.append(f"| {name} | {r['step_s']:.2f} | {base / r['step_s']:.2f} | {r['rollout_s']:.2f} | "
+                     f"{r['external_s']:.2f} | {r['wait_s']:.2f} | {r['request_s']:.3f} | {r['request_max_s']:.3f} | {tail} |"
                      if r["request_s"] else
-                     f"| {name} | {r['step_s']:.2f} | {base / r['step_s']:.2f} | {r['external_s']:.2f} "
-                     "| - | - | - | - |")
+                     f"| {name} | {r['step_s']:.2f} | {base / r['step_s']:.2f} | {r['rollout_s']:.2f} | "
+                     f"{r['external_s']:.2f} | - | - | - | - |")
     return "\n".join(lines)
 
 
