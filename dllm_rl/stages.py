@@ -14,6 +14,7 @@ the held-out evaluation and the bandit's probe in `dllm_rl/held_out.py`, the res
 | select             | `Curation.select`           | fresh rows                     | rows kept, loss weights             |
 | verify             | `verify`                    | every source's texts           | their rewards                       |
 | external rollouts  | `ExternalRollouts` (ERILS)  | prompts, on-policy correctness | rows["external"], external/* metrics|
+|   (its prefetch)   | `ExternalRollouts.prefetch` | the round's prompts, before "generate" | a served source's requests in flight |
 | advantages         | `assign_advantages`         | rewards                        | adv_N (and external weights)        |
 | reweight           | `Curation.reweight`         | groups, the sampler's record   | adv_N, weights, auxiliary SFT rows  |
 | old/ref log-probs  | `score_old_and_reference`   | rows, the sampler's record     | mask seeds, old_logp, ref_logp      |
