@@ -74,11 +74,21 @@ def steps_change_nothing(old_steps: Any, new_steps: Any, config: dict[str, Any])
                for s in range(min(old_steps, new_steps)))
 
 
+def pools_change_nothing(key: str, requested: dict[str, Any]) -> bool:
+    """Whether a change of `workers.pools` leaves the rollouts as they were: where no pool decodes otherwise than
+    the run's rollout sampler, any worker makes the same rollouts, so how many there are and where does not matter."""
+    pools = (requested.get("workers") or {}).get("pools") or {}
+    alike = all(not (spec or {}).get("sampler") for spec in pools.values() if isinstance(spec, dict))
+    return ".sampler" not in key and alike
+
+
 def run_changing(changes: dict[str, list[Any]], requested: dict[str, Any]) -> dict[str, list[Any]]:
     """The changes that would alter what the remaining steps compute."""
     def safe(key: str, old: Any, new: Any) -> bool:
         if key == "steps":
             return steps_change_nothing(old, new, requested)
+        if key.startswith("workers.pools"):
+            return pools_change_nothing(key, requested)
         return key in RESUME_SAFE_KEYS
     return {k: v for k, v in changes.items() if not safe(k, *v)}
 

@@ -1,7 +1,7 @@
 """How `dllm-rl train` sets a run up, before its first step: the config checked, the process group joined, the
 run directory and the checkpoint to resume from chosen, the models, optimizer and DeepSpeed engine loaded (or
 restored), and the stages of a step built from their configs into a `Run` (dllm_rl/train.py runs its loop).
-With rollout workers (`workers.count`), the collect stage is theirs (`remote_collect`, dllm_rl/workers/).
+With rollout workers (`workers.count` or `workers.pools`), the collect stage is theirs (`remote_collect`, dllm_rl/workers/).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from dllm_rl.stages import ExternalRollouts, SamplerCorrectionStage, assign_adva
 from dllm_rl.tracking import NullTracker, Tracker, run_header
 from dllm_rl.train_config import TrainConfig, engine_options, split_algo
 from dllm_rl.workers.config import WorkersConfig
+from dllm_rl.workers.pools import describe_pools
 from dllm_rl.workers.pipelined import PipelinedRollouts
 from dllm_rl.workers.ray_pool import RayStore
 from dllm_rl.workers.remote import build_remote_rollouts, start_workers
@@ -194,7 +195,7 @@ def setup(task: Task, cfg: TrainConfig, print_fn, saved_config: dict | None, all
     # files) posts its reason for its peers (engine/rendezvous.py) instead of leaving them at the rendezvous.
     world = init_distributed(timeout_s)  # rank 0 of 1 without a launcher
     workers = WorkersConfig(**cfg.workers)
-    require(world.size == 1 or workers.count == 0 or (workers.max_staleness == 0 and not workers.pipe),
+    require(world.size == 1 or workers.size == 0 or (workers.max_staleness == 0 and not workers.pipe),
             f"workers.max_staleness={workers.max_staleness}, workers.pipe={workers.pipe} with {world.size} learner "
             f"ranks: asynchronous and pipelined rollouts serve one learner process so far; launch one process, or "
             f"use synchronous workers (workers.max_staleness=0 workers.pipe=false)")
@@ -289,7 +290,8 @@ def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned,
     collect = CollectRollouts(prompts, rollouts, task, curation, dp, pad_id=tokenizer.pad_token_id,
                               before_generate=external.prefetch if external is not None else None)
     workers = WorkersConfig(**cfg.workers)
-    if workers.count > 0:
+    if workers.size > 0:
+        print_fn(describe_pools(workers.pool_list()))
         collect = remote_collect(cfg, workers, task, learned, rollouts, prompts, collect, state)
     held_out = HeldOut(greedy, sampler, task, tokenizer, cfg.eval_prompts, cfg.eval_samples, cfg.seed, generating)
     if mixer is not None and cfg.eval_every > 0 and cfg.eval_external_samples > 0:

@@ -28,7 +28,7 @@ from dllm_rl.engine import ENGINE_OPTIONS, deepspeed_config
 from dllm_rl.errors import check_kwargs, check_ranges, check_types, pick, require
 from dllm_rl.external.mixer import MixingConfig, external_likelihood
 from dllm_rl.external.sources import check_source_options
-from dllm_rl.likelihood.estimators import build_estimator
+from dllm_rl.likelihood.estimators import build_estimator, replays_rollout
 from dllm_rl.optim import LR_SCHEDULES
 from dllm_rl.policy.lora import LORA_DEFAULTS, check_lora
 from dllm_rl.rollout.sampler import check_sampler_settings
@@ -174,9 +174,10 @@ class TrainConfig:
         check_kwargs(WorkersConfig, self.workers, "workers")
         check_types(WorkersConfig, self.workers, "workers")
         workers = WorkersConfig(**self.workers)
-        require(workers.count > 0 or not workers.pipe, "workers.pipe=true needs rollout workers (workers.count >= 1): "
-                "it trains on each group while the workers generate the others")
-        if workers.count > 0:
+        require(workers.size > 0 or not workers.pipe, "workers.pipe=true needs rollout workers (workers.count >= 1 or "
+                "workers.pools): it trains on each group while the workers generate the others")
+        self.check_pools(workers)
+        if workers.size > 0:
             require(engine_options(self.deepspeed)[0].get("stage", 0) < 3 or (workers.max_staleness == 0
                                                                               and not workers.pipe),
                     f"workers.max_staleness={workers.max_staleness}, workers.pipe={workers.pipe} with ZeRO-3 "
@@ -193,8 +194,22 @@ class TrainConfig:
             if workers.pipe:
                 self.check_pipe(workers)
             require(not self.deepspeed.get("bf16", False),
-                    f"workers.count={workers.count} with deepspeed.bf16=true: workers hold fp32 weights and would "
+                    f"{workers.size} rollout workers with deepspeed.bf16=true: workers hold fp32 weights and would "
                     f"not generate what the bf16 learner does; use bf16 autocast (bf16=auto|true) instead")
+
+    def check_pools(self, workers: WorkersConfig) -> None:
+        """Each pool's sampler (the run's with the pool's decoding settings) valid, and scored as the run's is:
+        where the old log-probs are the sampler's own records (`replay_rollout_logp`), every pool's must be."""
+        estimator = build_estimator(self.likelihood)
+        replay = self.replay_rollout_logp and replays_rollout(estimator, self.sampler)
+        for pool in workers.pool_list():
+            settings = pool.settings(self.sampler)
+            check_sampler_settings(**settings, key=f"workers.pools.{pool.name}.sampler")
+            require(not replay or replays_rollout(estimator, settings),
+                    f"workers.pools.{pool.name}.sampler={pool.sampler}: its rollouts' recorded log-probs are not the "
+                    f"policy's (a block cache), but this run reads them as the old policy's (likelihood="
+                    f"{self.likelihood.get('name')!r} with replay_rollout_logp=true); set replay_rollout_logp=false "
+                    f"or give the pool an exact cache setting")
 
     def check_pipe(self, workers: WorkersConfig) -> None:
         """What complete-group pipelining needs: every stage before the update local to a group (named)."""

@@ -32,6 +32,7 @@ from dllm_rl.data.task import Task, render_prompt
 from dllm_rl.seeds import derive_seed
 from dllm_rl.workers.admission import Admission
 from dllm_rl.workers.pipeline import Job, Pipeline
+from dllm_rl.workers.pools import PoolMeter
 from dllm_rl.workers.ray_pool import RayBackend, WorkerPool, stop_ray
 from dllm_rl.workers.remote import moved
 from dllm_rl.workers.versions import Publisher
@@ -55,8 +56,10 @@ class PipelinedRollouts:
     drawn: dict[int, Any] = field(default_factory=dict)  # prompt id -> (Drawn, rendered prompt), not yet trained
     pipeline: Pipeline | None = None
     streamed: dict[str, float] = field(default_factory=dict)  # `stream`'s rollout/* metrics of its last step
+    meter: PoolMeter | None = None  # the per-pool metrics
 
     def __post_init__(self) -> None:
+        self.meter = PoolMeter(self.pool.pools)
         B = self.prompts.per_step
         admission = Admission.resumed({"taken": self.step * B, "violations": 0}, B, self.max_staleness)
         self.pipeline = Pipeline(RayBackend(self.pool), admission, self.draw, timeout_s=self.pool.timeout_s,
@@ -77,18 +80,21 @@ class PipelinedRollouts:
         return jobs
 
     def __call__(self, step: int) -> StepBatch:
+        started = time.perf_counter()
         published = self.publish(step)
         start = time.perf_counter()
         groups, taken = self.pipeline.take(step)
         batch = self.batch_of(step, groups)
-        batch.metrics.update(self.step_metrics(taken.lags, published, time.perf_counter() - start))
+        made = [(m, lag) for (_, m), lag in zip(groups, taken.lags)]
+        batch.metrics.update(self.step_metrics(made, published, time.perf_counter() - start, started))
         return batch
 
     def stream(self, step: int) -> Iterator[StepBatch]:
         """Complete-group pipelining (`workers.pipe`): each of the step's groups as a batch of its own, verified,
         as soon as it has finished; when the last is out, `streamed` holds the step's rollout/* metrics
         (`rollout/learner_wait_s`: the seconds spent waiting for the groups, the learner's idle time)."""
-        published, waited, lags = self.publish(step), 0.0, []
+        started = time.perf_counter()
+        published, waited, made = self.publish(step), 0.0, []
         groups = self.pipeline.stream(step)
         while True:
             start = time.perf_counter()
@@ -96,10 +102,10 @@ class PipelinedRollouts:
             waited += time.perf_counter() - start
             if group is None:
                 break
-            job, made, lag = group
-            lags.append(lag)
-            yield self.batch_of(step, [(job, made)])
-        self.streamed = self.step_metrics(lags, published, waited)
+            job, result, lag = group
+            made.append((result, lag))
+            yield self.batch_of(step, [(job, result)])
+        self.streamed = self.step_metrics(made, published, waited, started)
 
     def publish(self, step: int) -> float:
         """This step's weights to the workers, every `sync_every` steps (and at the first step a run makes); the
@@ -128,14 +134,16 @@ class PipelinedRollouts:
         batch.metrics.update(rollout_metrics(rows, float(sum(m.samples.forwards for _, m in groups))))
         return batch
 
-    def step_metrics(self, lags: list[int], published: float, waited: float) -> dict[str, float]:
-        adm = self.pipeline.admission
+    def step_metrics(self, made: list[tuple[Any, int]], published: float, waited: float,
+                     started: float) -> dict[str, float]:
+        """The step's rollout/* metrics and its pools' (`made`: what each group's worker returned, with its lag)."""
+        adm, lags = self.pipeline.admission, [lag for _, lag in made]
         return {"rollout/lag_max": float(max(lags, default=0)), "rollout/lag_mean": sum(lags) / max(len(lags), 1),
                 "rollout/lag_violations": float(adm.violations),
                 "rollout/regenerated": float(self.pipeline.counters["regenerated"]),
                 "rollout/worker_restarts": float(self.pipeline.counters["restarts"]),
                 "rollout/policy_version": float(self.publisher.version),
-                "rollout/publish_s": published, "rollout/learner_wait_s": waited}
+                "rollout/publish_s": published, "rollout/learner_wait_s": waited, **self.meter(made, started)}
 
     @property
     def version(self) -> int:

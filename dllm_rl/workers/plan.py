@@ -31,8 +31,10 @@ import math
 from dataclasses import dataclass, field
 
 from dllm_rl.errors import ConfigError, require
+from dllm_rl.workers.config import WorkersConfig
 
 MAX_SEARCH = 2_000_000  # mixes the exact search may visit
+KIND_KEYS = ("throughput", "price", "max_count", "pool")  # a kind's keys in configs/plan.yaml
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,14 @@ class Plan:
     needed: float
     kinds: list[WorkerKind] = field(repr=False, default_factory=list)
     simulated: float = math.nan  # the same mix's utilisation in `simulate`
+
+    def pools(self, settings: dict[str, dict], staleness: int) -> dict[str, dict]:
+        """The mix as `workers.pools` of `dllm-rl train`: each kind with workers, its count, throughput figure and
+        price, and the worker settings its kind gives (`settings[name]`: threads, device, sampler...). With S = 0
+        the throughput figures size each worker's share of a step, as the plan assumed."""
+        WorkersConfig(pools={k.name: settings.get(k.name, {}) for k in self.kinds}, max_staleness=staleness)
+        return {k.name: {"count": self.counts[k.name], "throughput": k.throughput, "price": k.price,
+                         **settings.get(k.name, {})} for k in self.kinds if self.counts.get(k.name, 0)}
 
     def table(self, pipeline: Pipeline) -> str:
         rows = ["| kind | workers | rollouts/s each | price/h each | rollouts/s | price/h |",
@@ -247,17 +257,31 @@ def run(cfg: dict, print_fn=print) -> Plan:
             "kinds='{cpu: {throughput: 1.5, price: 0.1, max_count: 32}}' (or measure=true for this machine's)")
     parsed = []
     for name, spec in kinds.items():
-        require(isinstance(spec, dict) and {"throughput", "price"} <= set(spec) <= {"throughput", "price", "max_count"},
-                f"kinds.{name}={spec!r}: expected {{throughput: rollouts/s, price: per hour, max_count: workers}}")
+        require(isinstance(spec, dict) and {"throughput", "price"} <= set(spec) <= set(KIND_KEYS),
+                f"kinds.{name}={spec!r}: expected {{throughput: rollouts/s, price: per hour, max_count: workers, "
+                f"pool: the workers' settings in workers.pools}}")
         parsed.append(WorkerKind(str(name), spec["throughput"], spec["price"], spec.get("max_count", 64)))
     result = plan(pipeline, parsed, cfg["target_utilisation"], cfg["group_size"])
+    pools = result.pools({name: spec.get("pool") or {} for name, spec in kinds.items()}, cfg["max_staleness"])
     print_fn(result.table(pipeline))
+    asynchronous = " sampler_correction.mode=weight" if cfg["max_staleness"] > 0 else ""
+    print_fn(f"\napply it: dllm-rl train workers.pools='{flow(pools)}' workers.max_staleness={cfg['max_staleness']}"
+             f"{asynchronous}")
     if cfg.get("json"):
         Path(cfg["json"]).write_text(json.dumps({"inputs": {k: cfg[k] for k in ("train_s", "publish_s", "batch",
                                                                                  "group_size", "max_staleness",
                                                                                  "target_utilisation", "kinds")},
                                                  "counts": result.counts, "throughput": result.throughput,
                                                  "price_per_hour": result.price, "period_s": result.period,
-                                                 "utilisation": result.utilisation, "simulated": result.simulated},
-                                                indent=1) + "\n")
+                                                 "utilisation": result.utilisation, "simulated": result.simulated,
+                                                 "pools": pools}, indent=1) + "\n")
     return result
+
+
+def flow(value) -> str:
+    """`value` (dicts, strings, numbers, booleans, None) in the flow style of Hydra's override grammar."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {flow(v)}" for k, v in value.items()) + "}"
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    return f"{value:g}" if isinstance(value, float) else str(value)

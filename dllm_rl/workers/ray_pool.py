@@ -20,10 +20,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import time
 from typing import Any, Sequence
 
 import torch
 
+from dllm_rl.workers.config import PoolConfig
 from dllm_rl.workers.errors import WorkerDied, WorkersError
 from dllm_rl.workers.versions import Snapshot, load_verified
 
@@ -93,27 +95,30 @@ class Generated:
     step: int  # the learner's update count when the snapshot was published: a row's lag is (step trained - step)
     checksum: str
     samples: Any  # Samples, on the CPU
+    pool: str = "default"  # the name of the worker's pool
+    seconds: float = 0.0  # the worker's seconds generating them
 
 
 class RolloutWorker:
     """The body of a rollout actor (`ray.remote(RolloutWorker)`): a policy loaded from a local checkpoint path, the
-    rollout sampler's settings, the learner's autocast choice; `threads` torch threads (so workers beside the
-    learner do not oversubscribe the cores)."""
+    rollout sampler's settings (its pool's), the learner's autocast choice; `threads` torch threads (so workers
+    beside the learner do not oversubscribe the cores), on `device` (auto: the GPU Ray gave it, else the CPU)."""
 
     def __init__(self, model: str, sampler: dict[str, Any], bf16: bool, threads: int = 1,
-                 trust_remote_code: bool = False):
-        from dllm_rl.device import autocast, default_device
+                 trust_remote_code: bool = False, device: str = "auto", pool: str = "default"):
+        from dllm_rl.device import autocast
         from dllm_rl.policy.adapters import load_policy
         from dllm_rl.rollout.generate import TextGenerator
 
         torch.set_num_threads(threads)
-        device = default_device()
-        self.policy, tokenizer = load_policy(model, device=device, trust_remote_code=trust_remote_code)
+        here = worker_device(device, pool)
+        self.policy, tokenizer = load_policy(model, device=here, trust_remote_code=trust_remote_code)
         self.policy.model.eval()
         self.generator = TextGenerator(self.policy, tokenizer, **sampler)
-        self.autocast = lambda: autocast(device, bf16)
+        self.autocast = lambda: autocast(here, bf16)
         self.snapshot: Snapshot | None = None
         self.transport: Any = RayStore()
+        self.pool = pool
 
     def join_broadcast(self, host: str, port: int, rank: int, size: int, timeout_s: float) -> int:
         """Receive snapshots by the learner's broadcast from now on (`workers.transport=broadcast`)."""
@@ -133,12 +138,14 @@ class RolloutWorker:
         """The loaded policy's rollouts of `prompts`, rollout i drawing from `seeds[i]`."""
         if self.snapshot is None:
             raise WorkersError("a rollout worker was asked to generate before any snapshot was loaded")
+        start = time.perf_counter()
         with torch.no_grad(), self.autocast():
             samples = self.generator.sample(list(prompts), list(seeds))
         # cpu: results travel back through the object store in host memory
         host = {f.name: getattr(samples, f.name) for f in dataclasses.fields(samples)}
         host = {k: v.to("cpu") if isinstance(v, torch.Tensor) else v for k, v in host.items()}
-        return Generated(self.snapshot.version, self.snapshot.step, self.snapshot.checksum, type(samples)(**host))
+        return Generated(self.snapshot.version, self.snapshot.step, self.snapshot.checksum, type(samples)(**host),
+                         self.pool, time.perf_counter() - start)
 
     def version(self) -> int | None:
         return None if self.snapshot is None else self.snapshot.version
@@ -153,21 +160,64 @@ class RolloutWorker:
         return ray.get_runtime_context().get_node_id()
 
 
+def worker_device(option: str, pool: str) -> torch.device:
+    """A worker's device: `cuda` the GPU Ray gave it (named error where it has none), `cpu`, or `auto` (the GPU
+    where it has one). Ray shows an actor only its own GPUs, so it is always device 0 of them."""
+    from dllm_rl.device import gpu_usable
+
+    if option == "cpu" or (option == "auto" and not gpu_usable()):
+        return torch.device("cpu")
+    if not gpu_usable():
+        raise WorkersError(f"workers.pools.{pool}.device=cuda, but its worker on node {socket.gethostname()} "
+                           f"sees no usable CUDA GPU (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+    return torch.device("cuda", 0)
+
+
 class WorkerPool:
-    """`count` rollout actors of one kind, each reserving `cpus` logical CPUs; every call waits at most
+    """Rollout actors of one or more pools (`pools`: a count of alike workers, or `PoolConfig`s), each reserving
+    its pool's logical CPUs and GPUs; worker i of the flat list belongs to pool `kinds[i]`. Every call waits at most
     `timeout_s` (a worker that does not answer in time is a named error, never a hang)."""
 
-    def __init__(self, count: int, model: str, sampler: dict[str, Any], bf16: bool, threads: int = 1,
-                 cpus: float = 1.0, timeout_s: float = 600.0, trust_remote_code: bool = False):
+    def __init__(self, pools: int | Sequence[PoolConfig], model: str, sampler: dict[str, Any], bf16: bool,
+                 threads: int = 1, cpus: float = 1.0, timeout_s: float = 600.0, trust_remote_code: bool = False):
         import ray
 
-        if count < 1:
-            raise ValueError(f"count={count}: a pool has at least one worker")
-        self.start = lambda: ray.remote(num_cpus=cpus)(RolloutWorker).remote(model, sampler, bf16, threads,
-                                                                             trust_remote_code)
-        self.actors = [self.start() for _ in range(count)]
+        if isinstance(pools, int):
+            pools = [PoolConfig("default", pools, threads, cpus)] if pools >= 1 else []
+        if not pools:
+            raise ValueError("a worker pool has at least one worker")
+        self.pools = list(pools)
+        self.kinds = [p for p in self.pools for _ in range(p.count)]
+
+        def start(pool: PoolConfig):
+            actor = ray.remote(num_cpus=pool.cpus, num_gpus=pool.gpus)(RolloutWorker)
+            return actor.remote(model, pool.settings(sampler), bf16, pool.threads, trust_remote_code, pool.device,
+                                pool.name)
+
+        self.start = lambda worker: start(self.kinds[worker])
         self.timeout_s = timeout_s
+        self.actors = [self.start(i) for i in range(len(self.kinds))]
         self.sender = None  # the learner's side of a broadcast group (`join_broadcast`), or None: the object store
+        self.ready()
+
+    def ready(self) -> None:
+        """Wait (at most `timeout_s` in all) for every worker to have loaded its model; one that failed to, or did
+        not in time, is named with its pool, and every worker is stopped."""
+        import ray
+
+        refs = [actor.pid.remote() for actor in self.actors]
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=self.timeout_s)
+        for pool, ref in sorted(zip(self.kinds, refs), key=lambda x: x[1] in pending):  # failures first
+            try:
+                if ref in pending:
+                    raise TimeoutError(f"it did not start within {self.timeout_s:g} s (does the cluster have its "
+                                       f"resources: {pool.cpus:g} CPUs, {pool.gpus:g} GPUs per worker?)")
+                ray.get(ref)
+            except Exception as error:  # RayActorError holding the constructor's
+                self.close()
+                # Ray's message is the remote traceback: its last line names the constructor's error
+                cause = [line for line in str(error).splitlines() if line.strip()][-1].strip()
+                raise WorkersError(f"a rollout worker of pool {pool.name!r} failed to start: {cause}") from None
 
     def join_broadcast(self) -> None:
         """Form the broadcast group of this process (rank 0) and the workers; snapshots then travel by it."""
@@ -196,9 +246,12 @@ class WorkerPool:
             self.sender.send()
         self.wait(refs, f"loading policy version {snapshot.version}")
 
-    def generate(self, chunks: list[tuple[Sequence[str], Sequence[int]]]) -> list[Generated]:
-        """Chunk i (prompts, seeds) on worker i mod count, all at once; the results in chunk order."""
-        refs = [self.actors[i % len(self.actors)].generate.remote(p, s) for i, (p, s) in enumerate(chunks)]
+    def generate(self, chunks: list[tuple[Sequence[str], Sequence[int]]],
+                 workers: Sequence[int] | None = None) -> list[Generated]:
+        """Chunk i (prompts, seeds) on worker `workers[i]` (default: i mod count), all at once; the results in
+        chunk order."""
+        workers = workers if workers is not None else [i % len(self.actors) for i in range(len(chunks))]
+        refs = [self.actors[w].generate.remote(p, s) for w, (p, s) in zip(workers, chunks)]
         return self.wait(refs, f"{len(chunks)} rollout chunks")
 
     def restart(self, worker: int) -> None:
@@ -206,7 +259,7 @@ class WorkerPool:
         import ray
 
         ray.kill(self.actors[worker], no_restart=True)
-        self.actors[worker] = self.start()
+        self.actors[worker] = self.start(worker)
 
     def close(self) -> None:
         import ray
