@@ -132,14 +132,9 @@ def test_each_pool_rolls_out_what_its_settings_give_in_process(ray_session):
         exact, fast = pool.generate([chunk, chunk], workers=[0, 1])
     finally:
         pool.close()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the workers run
-    try:
-        with torch.no_grad():
-            ref_exact = TextGenerator(policy, tokenizer, **SAMPLER).sample(*chunk)
-            ref_fast = TextGenerator(policy, tokenizer, **SAMPLER, threshold=0.5).sample(*chunk)
-    finally:
-        torch.set_num_threads(threads)
+    with torch.no_grad():  # on one thread, as the workers run
+        ref_exact = one_thread(TextGenerator(policy, tokenizer, **SAMPLER).sample, *chunk)
+        ref_fast = one_thread(TextGenerator(policy, tokenizer, **SAMPLER, threshold=0.5).sample, *chunk)
     assert (exact.pool, fast.pool) == ("exact", "fast") and exact.seconds > 0 and fast.seconds > 0
     assert torch.equal(exact.samples.sequences_BL, ref_exact.sequences_BL)
     assert torch.equal(fast.samples.sequences_BL, ref_fast.sequences_BL)
