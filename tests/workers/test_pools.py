@@ -146,9 +146,9 @@ def test_a_pool_that_cannot_start_is_named_and_leaves_no_worker(ray_session):
     import ray
 
     before = len(ray.util.list_named_actors(all_namespaces=True))
-    with pytest.raises(WorkersError, match=r"pool 'gpu' failed to start: it did not start within 15 s .*1 GPUs"):
+    with pytest.raises(WorkersError, match=r"pool 'gpu' failed to start: it did not start within 10 s .*1 GPUs"):
         WorkerPool([PoolConfig("cpu", count=1), PoolConfig("gpu", count=1, gpus=1)], MODEL, SAMPLER, bf16=False,
-                   timeout_s=15)
+                   timeout_s=10)
     with pytest.raises(WorkersError, match=r"pool 'cpu' failed to start: .*nonexistent"):
         WorkerPool([PoolConfig("cpu", count=1)], "/nonexistent/model", SAMPLER, bf16=False, timeout_s=60)
     assert len(ray.util.list_named_actors(all_namespaces=True)) == before
