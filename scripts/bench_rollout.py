@@ -86,7 +86,7 @@ def main() -> None:
     }
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
-    print(f"matmul peak GFLOP/s: " + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in peaks.items()) + f"; wrote {args.out}")
+    print("matmul peak GFLOP/s: " + ", ".join(f"{k} {v / 1e9:.0f}" for k, v in peaks.items()) + f"; wrote {args.out}")
 
 
 if __name__ == "__main__":

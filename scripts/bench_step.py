@@ -84,7 +84,6 @@ def main() -> None:
         rows.append({"estimator": name, "options": options, "ratio_level": estimator.level,
                      "forwards_per_sample": forwards, "score_old_s": old_s, "forward_grad_s": forward_s,
                      "backward_s": backward_s, "optimizer_s": optim_s, "rollout_s": rollout_s})
-        r = rows[-1]
         print(f"{name:14s} fwd/sample {forwards:5.1f}  old {old_s:6.2f}s  fwd+grad {forward_s:6.2f}s  "
               f"backward {backward_s:6.2f}s  optim {optim_s:5.2f}s  (rollout {rollout_s:.2f}s)")
     with open(args.out, "w") as f:

@@ -1,6 +1,5 @@
 """The step buffer's minibatch plan and loss-input assembly across sources."""
 
-import pytest
 import torch
 
 from dllm_rl.buffer import loss_inputs, minibatch_plan, num_minibatches

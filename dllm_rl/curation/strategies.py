@@ -11,7 +11,6 @@ import torch
 from dllm_rl.curation import darts, dynamic_sampling, greso, sera
 from dllm_rl.curation.base import GroupRecord, Strategy, epoch_of
 from dllm_rl.curation.teach import Bandit, Echo, GrpoDropout, Hindsight
-from dllm_rl.errors import require
 from dllm_rl.seeds import derive_seed
 
 # ------------------------------------------------------------------------------------------ GRESO

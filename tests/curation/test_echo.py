@@ -86,7 +86,8 @@ def test_echo_clips_come_from_all_correct_groups_and_correct_external_rows_of_fa
     curation.reweight(batch)
     assert batch.auxiliary["echo"] is None and batch.metrics["curation/echo_clips"] == 0
     ext = batch.auxiliary["echo_external"]  # prompt 1: every on-policy rollout failed; its first correct row, whole
-    assert torch.equal(ext.ids_NL, batch.rows["external"].ids_NL[3:4]) and ext.target_NC.tolist() == [[True] * 4 + [False]]
+    assert torch.equal(ext.ids_NL, batch.rows["external"].ids_NL[3:4])
+    assert ext.target_NC.tolist() == [[True] * 4 + [False]]
     off = build_curation({"echo": {"external": False}}, group_size=3, prompts_per_step=2, seed=0, pool_size=8)
     off.reweight(batch)
     assert batch.auxiliary["echo_external"] is None
@@ -112,9 +113,10 @@ def test_the_auxiliary_loss_equals_a_slow_reference(tiny_policy):
                     total += ce / float(t[n]) if weighting == "elbo" else ce
             units += int(target[n].sum()) if weighting == "elbo" else int(masked[n].sum())
         got = auxiliary_loss(tiny_policy, rows, float(units))
-        assert float(got) == pytest.approx(total / units, rel=1e-5)
+        assert float(got.detach()) == pytest.approx(total / units, rel=1e-5)
         # two ranks: each divides by the total and scales by 2, so the mean over ranks is the loss
-        assert float(auxiliary_loss(tiny_policy, rows, 2.0 * units, ranks=2)) == pytest.approx(total / units, rel=1e-5)
+        halves = auxiliary_loss(tiny_policy, rows, 2.0 * units, ranks=2)
+        assert float(halves.detach()) == pytest.approx(total / units, rel=1e-5)
 
 
 @pytest.mark.parametrize("all_correct", [False, True])
@@ -128,7 +130,7 @@ def test_echo_updates_where_grpo_has_no_signal_only_with_an_all_correct_group(ma
     curation.reweight(batch)
     start = [p.detach().clone() for p in learner.engine.module.parameters()]
     metrics = learner.update(batch)
-    moved = sum(float((p - s).abs().sum()) for p, s in zip(learner.engine.module.parameters(), start))
+    moved = sum(float((p.detach() - s).abs().sum()) for p, s in zip(learner.engine.module.parameters(), start))
     if all_correct:
         assert metrics["policy/updates"] == 1 and metrics["loss/echo"] > 0 and metrics["policy/grad_norm"] > 0
         assert moved > 0 and metrics["policy/no_signal"] == 0
