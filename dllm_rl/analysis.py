@@ -50,7 +50,8 @@ def resolve_run_dir(run_dir: str | Path) -> Path:
         return path
     places = [Path.cwd(), *([Path(os.environ["PWD"])] if os.environ.get("PWD") else [])]
     found = next((place / path for place in places if (place / path / "metrics.jsonl").is_file()), None)
-    require(found is not None, f"run directory {str(run_dir)!r} is not in {' nor in '.join(map(str, dict.fromkeys(places)))}"
+    require(found is not None,
+            f"run directory {str(run_dir)!r} is not in {' nor in '.join(map(str, dict.fromkeys(places)))}"
             f" (no metrics.jsonl there); give a path relative to where you run the command, or an absolute one")
     return found
 

@@ -90,7 +90,8 @@ class Rows:
             rewards=[self.rewards[i] for i in picked] if self.rewards else [], texts=[self.texts[i] for i in picked],
             behaviour_logp_N=take(self.behaviour_logp_N), sampler_logp_NC=take(self.sampler_logp_NC),
             entropy_NC=take(self.entropy_NC),
-            adv_N=take(self.adv_N), weight_N=take(self.weight_N), prompt_id_N=take(self.prompt_id_N), rollout_N=take(self.rollout_N))
+            adv_N=take(self.adv_N), weight_N=take(self.weight_N),
+            prompt_id_N=take(self.prompt_id_N), rollout_N=take(self.rollout_N))
 
     @property
     def rewards_N(self) -> torch.Tensor:
@@ -156,7 +157,8 @@ def order_within_groups(group_N: torch.Tensor) -> torch.Tensor:
     return torch.tril(same_NN, diagonal=-1).sum(-1)
 
 
-def minibatch_plan(sizes: list[int], num_minibatches: int, mix: str, generator: torch.Generator) -> list[list[torch.Tensor]]:
+def minibatch_plan(sizes: list[int], num_minibatches: int, mix: str,
+                   generator: torch.Generator) -> list[list[torch.Tensor]]:
     """For each minibatch, the row indices it takes from each part (parts of `sizes` rows).
 
     "stratified": every part is shuffled and split evenly over the minibatches, so each minibatch holds the

@@ -87,7 +87,8 @@ def save_checkpoint(run_dir: str | Path, step: int, engine: Engine, scheduler, s
     except (OSError, RuntimeError) as error:
         shutil.rmtree(tmp, ignore_errors=True)
         free = shutil.disk_usage(root if root.is_dir() else Path(run_dir)).free / 2**30
-        raise RunStopped(f"could not write checkpoint {final.name} in {root}: {str(error).strip().splitlines()[0][:200]} "
+        raise RunStopped(f"could not write checkpoint {final.name} in {root}: "
+                         f"{str(error).strip().splitlines()[0][:200]} "
                          f"({free:.2f} GiB free there; a full disk shows as 'No space left on device' or 'unexpected "
                          f"pos'). The previous checkpoint and checkpoints/latest are unchanged: make room, then resume "
                          f"with resume={run_dir}") from error

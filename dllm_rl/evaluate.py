@@ -172,10 +172,11 @@ def check_context(generator, task: Task, runs: list[dict[str, Any]], protocol, *
     fits = [s["gen_length"] for s in runs if widest + s["gen_length"] <= context]
     for settings in runs:
         require(widest + settings["gen_length"] <= context,
-                f"protocol={protocol.name}: length {settings['gen_length']} after the longest prompt of {widest} tokens "
+                f"protocol={protocol.name}: length {settings['gen_length']} "
+                f"after the longest prompt of {widest} tokens "
                 f"exceeds the model's context of {context}; "
-                + (f"evaluate the lengths that fit with protocol.lengths={fits}" if fits else "no length of the protocol "
-                   "fits this model"))
+                + (f"evaluate the lengths that fit with protocol.lengths={fits}"
+                   if fits else "no length of the protocol fits this model"))
 
 
 def length_table(task: str, protocol: str, runs: list[dict[str, Any]], summaries: dict[int, dict]) -> str:

@@ -10,11 +10,15 @@ of real tokens (its code ignores the attention mask), `left_to_right` one per gr
 
 The phases, and how each keeps the rule:
 
-| phase                                | model          | how                                               |
-|--------------------------------------|----------------|---------------------------------------------------|
-| rollouts, sampler correction, held-out evaluation | policy | `Engine.gathered()`: parameters whole, DeepSpeed's hooks lifted: no collective per forward, any count |
-| old / reference log-probs            | policy, reference | `Lockstep.score`: declared count, agreed maximum, stand-in forwards |
-| the update (loss and backward)       | policy         | `Lockstep.score`, stand-in forwards joined to the loss with weight 0 |
+| phase                                             | model             | how                                          |
+|---------------------------------------------------|-------------------|----------------------------------------------|
+| rollouts, sampler correction, held-out evaluation | policy            | `Engine.gathered()`: parameters whole,       |
+|                                                   |                   | DeepSpeed's hooks lifted: no collective per  |
+|                                                   |                   | forward, any count                           |
+| old / reference log-probs                         | policy, reference | `Lockstep.score`: declared count, agreed     |
+|                                                   |                   | maximum, stand-in forwards                   |
+| the update (loss and backward)                    | policy            | `Lockstep.score`, stand-in forwards joined   |
+|                                                   |                   | to the loss with weight 0                    |
 
 `Lockstep.score` asks the estimator how many forwards it will make on this rank's rows (`Estimator.forwards`:
 its logits calls times `DiffusionPolicy.forwards`, LLaDA's spans), takes the largest count over ranks (one

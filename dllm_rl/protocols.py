@@ -5,12 +5,15 @@ rule and answer parsing are rarely stated together. A protocol (`dllm-rl eval pr
 `configs/protocol/`) fixes all of them, so two runs under one protocol compare, and a run compares with a paper's
 table line by line:
 
-| protocol | lengths          | steps          | blocks | decoding                                | parsers             |
-|----------|------------------|----------------|--------|-----------------------------------------|---------------------|
-| none     | the rollout's    | the rollout's  | the rollout's | the `rollout` group as given     | the task's          |
-| d1       | 128 / 256 / 512  | length / 2     | 32     | greedy, low-confidence remasking        | d1's prompts, rewards |
-| justgrpo | 128 / 256 / 512  | length         | 32     | greedy, low-confidence remasking        | the task's prompt, by value |
-| fast     | 128 / 256 / 512  | as needed      | 32     | greedy, threshold 0.9, dual block cache | d1's prompts, rewards |
+| protocol | lengths         | steps         | blocks    | decoding                         | parsers               |
+|----------|-----------------|---------------|-----------|----------------------------------|-----------------------|
+| none     | the rollout's   | the rollout's | the       | the `rollout` group as given     | the task's            |
+|          |                 |               | rollout's |                                  |                       |
+| d1       | 128 / 256 / 512 | length / 2    | 32        | greedy, low-confidence remasking | d1's prompts, rewards |
+| justgrpo | 128 / 256 / 512 | length        | 32        | greedy, low-confidence remasking | the task's prompt,    |
+|          |                 |               |           |                                  | by value              |
+| fast     | 128 / 256 / 512 | as needed     | 32        | greedy, threshold 0.9, dual      | d1's prompts, rewards |
+|          |                 |               |           | block cache                      |                       |
 
 (Sources and what each leaves out: the YAML files.) A protocol's lengths are
 evaluated in one call and printed as one table; each result records the protocol, the package versions, the
@@ -46,7 +49,8 @@ class Protocol:
     def __post_init__(self) -> None:
         check_types(Protocol, self.__dict__, "protocol")
         require(self.lengths is None or (len(self.lengths) > 0 and all(n >= 1 for n in self.lengths)),
-                f"protocol.lengths={self.lengths!r}: expected a non-empty list of positive generation lengths (or null)")
+                f"protocol.lengths={self.lengths!r}: "
+                "expected a non-empty list of positive generation lengths (or null)")
         require(self.steps_per_token is None or self.steps_per_token > 0,
                 f"protocol.steps_per_token={self.steps_per_token!r}: expected > 0 (steps = length x it) or null")
 

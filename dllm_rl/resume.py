@@ -28,7 +28,8 @@ from dllm_rl.optim import LR_SCHEDULES, lr_factor
 
 # What a resumed run may change because nothing a step computes reads it (`steps`: see `steps_change_nothing`).
 RESUME_SAFE_KEYS = ("steps", "eval_every", "eval_prompts", "eval_samples", "eval_external_samples", "checkpoint_every",
-                    "keep_checkpoints", "sample_every", "tensorboard", "max_bad_steps", "deepspeed.timeout_s", "trust_remote_code",
+                    "keep_checkpoints", "sample_every", "tensorboard", "max_bad_steps", "deepspeed.timeout_s",
+                    "trust_remote_code",
                     "external.trust_remote_code",  # consent, given again by whoever resumes (cli.consent_given)
                     "logger.name", "logger.project", "logger.entity", "logger.run_name", "logger.tags", "logger.mode",
                     # where rollouts are generated: the same rollouts either way (dllm_rl/workers/remote.py)
@@ -154,7 +155,8 @@ def refuse_adapter_reshape(run_dir: str | Path, changes: dict[str, list[Any]], s
         return
     for key in [k for k in ADAPTER_SHAPE_KEYS if k in changes]:
         old, new = changes[key]
-        what = ("switches LoRA off" if key == "lora.r" and not new else "switches LoRA on" if key == "lora.r" and not old
+        what = ("switches LoRA off" if key == "lora.r" and not new
+                else "switches LoRA on" if key == "lora.r" and not old
                 else "changes the adapter's shape")
         checkpoint = latest_checkpoint(run_dir) or Path(run_dir) / "checkpoints" / "step_NNNNNN"
         raise ConfigError(f"resume: {key} was {old!r} in this run; {new!r} {what}, and the checkpoint holds the "

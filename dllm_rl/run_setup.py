@@ -1,7 +1,8 @@
 """How `dllm-rl train` sets a run up, before its first step: the config checked, the process group joined, the
 run directory and the checkpoint to resume from chosen, the models, optimizer and DeepSpeed engine loaded (or
 restored), and the stages of a step built from their configs into a `Run` (dllm_rl/train.py runs its loop).
-With rollout workers (`workers.count` or `workers.pools`), the collect stage is theirs (`remote_collect`, dllm_rl/workers/).
+With rollout workers (`workers.count` or `workers.pools`), the collect stage is theirs (`remote_collect`,
+dllm_rl/workers/).
 """
 
 from __future__ import annotations

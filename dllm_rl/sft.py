@@ -63,7 +63,8 @@ def solver_examples(task: Task, n: int, seed: int, with_steps: bool = True, toke
                 continue
             if not with_steps:
                 solution = type(solution)(solution.answer)
-            out.append(SFTExample(render_prompt(task.prompt(ex), tokenizer), render_completion(solution, task.prompt_style)))
+            out.append(SFTExample(render_prompt(task.prompt(ex), tokenizer),
+                                  render_completion(solution, task.prompt_style)))
             if len(out) == n:
                 break
         if len(out) == n or size == 8 * n or len(pool) < size:
@@ -154,7 +155,8 @@ def diffusion_sft_loss(policy: DiffusionPolicy, ids_BL, attention_mask_BL, promp
     t_B = schedule.sample_t(B, generator=generator)
     maskable_BL = torch.zeros_like(ids_BL, dtype=torch.bool)
     maskable_BL[:, prompt_length:] = True
-    noisy_BL, is_masked_BL = schedule.add_noise(ids_BL, t_B, policy.mask_id, generator=generator, maskable_BL=maskable_BL)
+    noisy_BL, is_masked_BL = schedule.add_noise(ids_BL, t_B, policy.mask_id, generator=generator,
+                                                maskable_BL=maskable_BL)
     logits_BLV = policy.logits(noisy_BL, attention_mask_BL)
     ce_BL = F.cross_entropy(logits_BLV.float().transpose(1, 2), ids_BL, reduction="none") * is_masked_BL
     if weighting == "elbo":
@@ -223,7 +225,8 @@ def train_sft(
                 log_fn({**entry, "bf16": float(use_bf16)})
             running = []
             bar.set_postfix(loss=f"{entry['loss']:.4f}")
-            print_fn(f"sft step {entry['step']}/{steps} loss {entry['loss']:.4f} lr {entry['lr']:.2e} {entry['seconds']}s")
+            print_fn(f"sft step {entry['step']}/{steps} loss {entry['loss']:.4f} "
+                     f"lr {entry['lr']:.2e} {entry['seconds']}s")
     return log
 
 
@@ -277,7 +280,8 @@ def run_sft(task: Task, *, model: str, kind: str = "auto", output_dir: str | Non
     try:
         log = train_sft(loss_fn, module.parameters(), data, steps=steps, batch_size=batch_size, lr=lr, warmup=warmup,
                         seed=seed, bf16=bf16, log_every=log_every, device=device, print_fn=print_fn,
-                        log_fn=lambda entry: tracker.log(entry["step"], {k: v for k, v in entry.items() if k != "step"}))
+                        log_fn=lambda entry: tracker.log(entry["step"],
+                                                         {k: v for k, v in entry.items() if k != "step"}))
     finally:
         tracker.close()
     module.eval()

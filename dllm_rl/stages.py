@@ -6,22 +6,27 @@
 The stages up to "verify" are in `dllm_rl/collect.py` (with the `StepBatch`), the update in `dllm_rl/learner.py`,
 the held-out evaluation and the bandit's probe in `dllm_rl/held_out.py`, the rest here.
 
-| stage              | here                        | reads                          | writes                              |
-|--------------------|-----------------------------|--------------------------------|-------------------------------------|
-| choose prompts     | `PromptSource`              | the train split, the step      | the step's prompts (`Drawn`, global)|
-| allocate           | `Curation.allocate`, `PromptSource.batch` | curation state   | a new batch: this rank's prompts    |
-| generate           | `InProcessRollouts`         | prompts, their group sizes     | rows["on_policy"]: tokens, texts    |
-| select             | `Curation.select`           | fresh rows                     | rows kept, loss weights             |
-| verify             | `verify`                    | every source's texts           | their rewards                       |
-| external rollouts  | `ExternalRollouts` (ERILS)  | prompts, on-policy correctness | rows["external"], external/* metrics|
-|   (its prefetch)   | `ExternalRollouts.prefetch` | the round's prompts, before "generate" | a served source's requests in flight |
-| advantages         | `assign_advantages`         | rewards                        | adv_N (and external weights)        |
-| reweight           | `Curation.reweight`         | groups, the sampler's record   | adv_N, weights, auxiliary SFT rows  |
-| old/ref log-probs  | `score_old_and_reference`   | rows, the sampler's record     | mask seeds, old_logp, ref_logp      |
-| sampler correction | `SamplerCorrectionStage`    | on-policy rows, sampler logp   | their loss weights, correction/*    |
-| update             | `Learner.update`            | every row, the auxiliary rows  | the weights; loss and policy metrics|
-| after update       | `Curation.after_update`     | the step's rows, a probe       | the bandit's scorer, replay buffer  |
-| metrics            | `step_metrics`              | the batch                      | the step's metrics (over ranks)     |
+| stage              | here                        | reads                        | writes                             |
+|--------------------|-----------------------------|------------------------------|------------------------------------|
+| choose prompts     | `PromptSource`              | the train split, the step    | the step's prompts                 |
+|                    |                             |                              | (`Drawn`, global)                  |
+| allocate           | `Curation.allocate`,        | curation state               | a new batch: this rank's prompts   |
+|                    | `PromptSource.batch`        |                              |                                    |
+| generate           | `InProcessRollouts`         | prompts, their group sizes   | rows["on_policy"]: tokens, texts   |
+| select             | `Curation.select`           | fresh rows                   | rows kept, loss weights            |
+| verify             | `verify`                    | every source's texts         | their rewards                      |
+| external rollouts  | `ExternalRollouts` (ERILS)  | prompts, on-policy           | rows["external"],                  |
+|                    |                             | correctness                  | external/* metrics                 |
+|   (its prefetch)   | `ExternalRollouts.prefetch` | the round's prompts, before  | a served source's requests         |
+|                    |                             | "generate"                   | in flight                          |
+| advantages         | `assign_advantages`         | rewards                      | adv_N (and external weights)       |
+| reweight           | `Curation.reweight`         | groups, the sampler's record | adv_N, weights, auxiliary SFT rows |
+| old/ref log-probs  | `score_old_and_reference`   | rows, the sampler's record   | mask seeds, old_logp, ref_logp     |
+| sampler correction | `SamplerCorrectionStage`    | on-policy rows, sampler logp | their loss weights, correction/*   |
+| update             | `Learner.update`            | every row, the auxiliary     | the weights; loss and policy       |
+|                    |                             | rows                         | metrics                            |
+| after update       | `Curation.after_update`     | the step's rows, a probe     | the bandit's scorer, replay buffer |
+| metrics            | `step_metrics`              | the batch                    | the step's metrics (over ranks)    |
 
 `CollectRollouts` runs choose prompts through verify, in rounds where dynamic sampling asks for more, and
 `observe_curation` gives the strategies every rank's groups after the external rows (dllm_rl/curation/). Rows are
@@ -32,8 +37,8 @@ filter or a rollout allocator decides the rollouts per prompt between "choose pr
 decision on every rank), a row filter runs after "verify"; rollouts from workers replace `InProcessRollouts`
 (`workers.count`: `RemoteRollouts`; with `workers.max_staleness` > 0 or `workers.pipe`, `PipelinedRollouts`
 replaces `CollectRollouts`, and with `workers.pipe` each group runs the stages from "external rollouts" to "update"
-alone as it arrives, dllm_rl/workers/pipe.py); a cached or parallel sampler is another `TextGenerator`-like object inside
-`InProcessRollouts` (anything with `sample(prompts, seeds) -> Samples`).
+alone as it arrives, dllm_rl/workers/pipe.py); a cached or parallel sampler is another `TextGenerator`-like object
+inside `InProcessRollouts` (anything with `sample(prompts, seeds) -> Samples`).
 
 Which rows are this rank's and where they sit among all ranks' rows is `dllm_rl.data_parallel`'s business;
 a stage that needs a global index reads it from `Rows.shard` or asks the `DataParallel` object it is given.
@@ -59,7 +64,8 @@ from dllm_rl.seeds import derive_seed
 # Metrics that count rows or prompts: added up over data-parallel ranks (every other metric is averaged).
 COUNTS = tuple(f"external/{k}" for k in ("candidates", "too_long", "truncated", "unrepresentable", "incorrect",
                                          "prompts", "rows", "requests", "failed_requests", "retries",
-                                         "prefetched", "empty", "length_stopped")) + ("rollouts/on_policy", "curation/dropout_dropped",
+                                         "prefetched", "empty", "length_stopped")) + ("rollouts/on_policy",
+                                                                "curation/dropout_dropped",
                                                                 "curation/dropout_positive") + tuple(
     f"curation/{kind}_{what}" for kind in ("echo", "echo_external") for what in ("clips", "tokens")) + (
     "curation/hindsight_rows", "curation/hindsight_failed")
@@ -96,7 +102,8 @@ class ExternalRollouts:
                                             examples=[batch.examples[b] for b in active],
                                             prompt_texts=[batch.prompt_texts[b] for b in active], correct_BG=correct_BG,
                                             tokenizer=self.tokenizer, window=self.window, eos_id=self.eos_id,
-                                            max_length=self.max_length, prompt_ids=[batch.prompt_ids[b] for b in active],
+                                            max_length=self.max_length,
+                                            prompt_ids=[batch.prompt_ids[b] for b in active],
                                             widest=self.dp.widest, device=self.device)
         if rows is not None:
             rows.prompt_N = torch.tensor(active, device=rows.prompt_N.device)[rows.prompt_N]

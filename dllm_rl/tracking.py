@@ -1,7 +1,7 @@
 """Where a run's numbers go: one readable console line per step, metrics.jsonl, TensorBoard, samples.jsonl.
 
-Metric keys are namespaced (`reward/on_policy`, `reward/external`, `loss/policy`, `perf/rollout_s`, ...). Only rank 0 writes;
-other ranks get a tracker that does nothing, so the loop never asks which rank it is on.
+Metric keys are namespaced (`reward/on_policy`, `reward/external`, `loss/policy`, `perf/rollout_s`, ...). Only rank 0
+writes; other ranks get a tracker that does nothing, so the loop never asks which rank it is on.
 
 A resumed run continues from its checkpoint's step k, so the logs are first cut back to step k (`resume_step`):
 lines of later steps, which the resumed run writes again, and a partial last line left by a kill in the middle
@@ -23,8 +23,8 @@ CONSOLE_FIELDS = [
     ("reward/on_policy", "reward", "{:.3f}"), ("reward/accuracy", "acc", "{:.3f}"),
     ("reward/external", "ext", "{:.3f}"), ("external/rows", "ext_rows", "{:.0f}"), ("loss/kl", "kl", "{:.4f}"),
     ("policy/clip_frac", "clip", "{:.3f}"), ("len/on_policy", "len", "{:.1f}"), ("eval/pass@1", "eval", "{:.3f}"),
-    ("perf/rollout_s", "roll", "{:.1f}s"), ("perf/external_s", "ext_s", "{:.1f}s"), ("perf/score_s", "score", "{:.1f}s"),
-    ("perf/update_s", "upd", "{:.1f}s"),
+    ("perf/rollout_s", "roll", "{:.1f}s"), ("perf/external_s", "ext_s", "{:.1f}s"),
+    ("perf/score_s", "score", "{:.1f}s"), ("perf/update_s", "upd", "{:.1f}s"),
 ]
 
 
@@ -90,7 +90,8 @@ class WandbSink:
         except ImportError:
             from dllm_rl.errors import ConfigError
 
-            raise ConfigError("logger=wandb needs the wandb package: pip install wandb (or the `wandb` extra)") from None
+            raise ConfigError("logger=wandb needs the wandb package: pip install wandb "
+                              "(or the `wandb` extra)") from None
         id_file = run_dir / "wandb_run_id"
         run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:8]
         id_file.write_text(run_id + "\n")

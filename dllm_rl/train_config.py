@@ -3,9 +3,10 @@
 The defaults are those of `configs/train.yaml` (a test composes the YAML and compares), so a script that calls
 `train()` runs the trainer that `dllm-rl train` runs. Each field is documented in the YAML, where users read
 it. The config groups (`rollout`, `likelihood`, `algo`, `external`, `deepspeed`, `mixing`, `lora`,
-`sampler_correction`, `logger`, `curation`) stay plain dicts: their keys depend on the option chosen (an estimator's options, an external source's). `check_groups`
-checks each by name, type and range with the same functions that later build it (`build_estimator`,
-`check_sampler_settings`, `split_algo`, `MixingConfig`, ...), so a bad value fails before anything loads.
+`sampler_correction`, `logger`, `curation`) stay plain dicts: their keys depend on the option chosen (an estimator's
+options, an external source's). `check_groups` checks each by name, type and range with the same functions that later
+build it (`build_estimator`, `check_sampler_settings`, `split_algo`, `MixingConfig`, ...), so a bad value fails before
+anything loads.
 
 A group given as a dict overrides the keys it names, as `rollout.gen_length=16` does on the command line; a
 dict with another `name` replaces the group, as `likelihood=elbo` does (the other option's YAML is not read
@@ -120,7 +121,8 @@ class TrainConfig:
         for key, ok, expected in (
             ("steps", self.steps >= 1, ">= 1"), ("prompts_per_step", self.prompts_per_step >= 1, ">= 1"),
             ("group_size", self.group_size >= 2, ">= 2 (advantages compare rollouts of a prompt)"),
-            ("inner_iterations", self.inner_iterations >= 1, ">= 1"), ("minibatch_size", self.minibatch_size >= 1, ">= 1"),
+            ("inner_iterations", self.inner_iterations >= 1, ">= 1"),
+            ("minibatch_size", self.minibatch_size >= 1, ">= 1"),
             ("micro_batch_rows", self.micro_batch_rows >= 0, ">= 0 (0 = a rank's whole minibatch)"),
             ("micro_batch_forwards", self.micro_batch_forwards >= 0, ">= 0 (0 = all of a row's forwards)"),
             ("lr", math.isfinite(self.lr) and self.lr > 0, "> 0 and finite"), ("warmup", self.warmup >= 0, ">= 0"),
@@ -130,8 +132,10 @@ class TrainConfig:
             ("eval_samples", self.eval_samples >= 0, ">= 0"),
             ("eval_external_samples", self.eval_external_samples >= 0, ">= 0 (0 = no provenance split)"),
             ("checkpoint_every", self.checkpoint_every >= 0, ">= 0 (0 = never)"),
-            ("keep_checkpoints", self.keep_checkpoints >= 0, ">= 0 (0 = all)"), ("sample_every", self.sample_every >= 0, ">= 0"),
-            ("ref_sync_every", self.ref_sync_every >= 0, ">= 0 (0 = never)"), ("max_bad_steps", self.max_bad_steps >= 1, ">= 1"),
+            ("keep_checkpoints", self.keep_checkpoints >= 0, ">= 0 (0 = all)"),
+            ("sample_every", self.sample_every >= 0, ">= 0"),
+            ("ref_sync_every", self.ref_sync_every >= 0, ">= 0 (0 = never)"),
+            ("max_bad_steps", self.max_bad_steps >= 1, ">= 1"),
         ):
             require(ok, f"{key} must be {expected}, got {getattr(self, key)!r}")
         require(self.lr_schedule in LR_SCHEDULES,
@@ -160,8 +164,9 @@ class TrainConfig:
                          and rollout["remasking"] == "low_confidence" and not rollout["random_first"])
         require(not (deterministic and self.external.get("name") == "none"),
                 "rollout.temperature=0 with low-confidence remasking draws no randomness: every rollout of a prompt "
-                "is the same and GRPO's advantages are all zero. Set rollout.temperature > 0, rollout.temperature_floor "
-                "> 0, rollout.random_first=true or rollout.remasking=random (or mix in external rollouts)")
+                "is the same and GRPO's advantages are all zero. Set rollout.temperature > 0, "
+                "rollout.temperature_floor > 0, rollout.random_first=true or rollout.remasking=random "
+                "(or mix in external rollouts)")
         source = {k: v for k, v in self.external.items() if k != "name"}
         if self.external.get("name") != "none":
             check_source_options(self.external.get("name"), source)

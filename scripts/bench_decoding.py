@@ -100,7 +100,8 @@ def main() -> None:
                              "forwards_per_token": counting.row_forwards / counting.tokens,
                              "pass@1": summary["pass@1"]})
     for row in rows:
-        base = next(r for r in rows if (r["task"], r["gen_length"], r["mode"]) == (row["task"], row["gen_length"], "exact"))
+        base = next(r for r in rows
+                    if (r["task"], r["gen_length"], r["mode"]) == (row["task"], row["gen_length"], "exact"))
         row["speedup"] = row["tokens_per_s"] / base["tokens_per_s"]
         row["pass@1_change"] = row["pass@1"] - base["pass@1"]
     print("| task | gen length | mode | tokens/s | forwards/token | speedup | pass@1 | change |")

@@ -3,19 +3,20 @@
 For each stage it launches `--ranks` processes (torch.distributed.run; gloo on CPU), builds a native dLLM of
 about 150M parameters the way the trainer does (under `partitioned_loading`, so ZeRO-3 never holds a full
 copy), wraps it in the trainer's `Engine` with a torch AdamW, and runs a few training steps (forward, under
-bf16 autocast where the CPU has native bf16 as in `dllm-rl train bf16=auto`; backward; optimizer step) on random tokens. After the last backward, before its optimizer
-step, each rank takes a census of every live tensor storage (deduplicated by address) and sorts it into
+bf16 autocast where the CPU has native bf16 as in `dllm-rl train bf16=auto`; backward; optimizer step) on random tokens.
+After the last backward, before its optimizer step, each rank takes a census of every live tensor storage (deduplicated
+by address) and sorts it into
 
 - parameters: the module's parameters (at stage 3 their local partitions, `ds_tensor`);
 - optimizer state: AdamW's moments plus the fp32 master partitions DeepSpeed keeps at stages 1-3;
 - gradients and engine buffers: everything else that did not exist before the engine was built
   (`param.grad`, DeepSpeed's gradient partitions and reduction buckets).
 
-It also records each rank's resident memory at the census (after `malloc_trim`) and its peak RSS (ru_maxrss) and the mean step time after a warm-up step. The theory
-column is the ZeRO paper's accounting (Rajbhandari et al., arXiv 1910.02054) for fp32 weights and AdamW:
-per parameter 4 B of weights, 4 B of gradients and 8 B of moments at stage 0; from stage 1 the optimizer
-holds 12 B (moments plus DeepSpeed's fp32 master copy) divided over N ranks; stage 2 divides the gradients,
-stage 3 the weights as well. Prints a table and writes JSON.
+It also records each rank's resident memory at the census (after `malloc_trim`) and its peak RSS (ru_maxrss) and the
+mean step time after a warm-up step. The theory column is the ZeRO paper's accounting (Rajbhandari et al., arXiv
+1910.02054) for fp32 weights and AdamW: per parameter 4 B of weights, 4 B of gradients and 8 B of moments at stage 0;
+from stage 1 the optimizer holds 12 B (moments plus DeepSpeed's fp32 master copy) divided over N ranks; stage 2 divides
+the gradients, stage 3 the weights as well. Prints a table and writes JSON.
 
     python scripts/bench_memory.py --out docs/bench_memory.json
 """
@@ -209,7 +210,8 @@ def main() -> None:
             ranks = run_stage(args, stage, result_dir)
             n_params = ranks[0]["n_params"]
             theory = theory_bytes(n_params, stage, args.ranks)
-            measured = {k: max(r[k] for r in ranks) for k in ("parameters", "gradients", "optimizer", "rss", "peak_rss")}
+            measured = {k: max(r[k] for r in ranks)
+                        for k in ("parameters", "gradients", "optimizer", "rss", "peak_rss")}
             rows.append({"stage": stage, "ranks": args.ranks, "n_params": n_params,
                          **{f"{k}_bytes": v for k, v in measured.items()},
                          "model_state_bytes": sum(measured[k] for k in theory),

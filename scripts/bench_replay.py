@@ -30,7 +30,8 @@ PHASES = ("perf/rollout_s", "perf/score_s", "perf/update_s")
 def run(replay: bool, steps: int, work: Path) -> dict[str, float]:
     out = work / f"replay_{replay}"
     code = cli.main(["train", "+experiment=tiny_justgrpo", f"steps={steps}", f"run_dir={out}", "eval_every=0",
-                     "sample_every=0", "checkpoint_every=0", "tensorboard=false", f"replay_rollout_logp={str(replay).lower()}"])
+                     "sample_every=0", "checkpoint_every=0", "tensorboard=false",
+                     f"replay_rollout_logp={str(replay).lower()}"])
     if code != 0:
         raise SystemExit(f"dllm-rl train failed (exit {code})")
     metrics = analysis.load_run(out)["metrics"]

@@ -33,9 +33,9 @@ from dllm_rl import analysis  # noqa: E402
 from dllm_rl.external.local_server import TransformersServe  # noqa: E402
 
 PHASES = ("perf/rollout_s", "perf/external_s", "perf/score_s", "perf/update_s")
-KEYS = {"rollout_s": "perf/rollout_s", "external_s": "perf/external_s", "wait_s": "external/wait_s", "request_s": "external/request_s",
-        "request_max_s": "external/request_max_s", "candidate_len": "external/candidate_len",
-        "rows": "external/rows", "failed": "external/failed_requests"}
+KEYS = {"rollout_s": "perf/rollout_s", "external_s": "perf/external_s", "wait_s": "external/wait_s",
+        "request_s": "external/request_s", "request_max_s": "external/request_max_s",
+        "candidate_len": "external/candidate_len", "rows": "external/rows", "failed": "external/failed_requests"}
 
 
 def arms(server: TransformersServe) -> dict[str, list[str]]:
@@ -70,7 +70,8 @@ def table(results: dict[str, dict[str, float]]) -> str:
         # the tail's share of the wait, where there is one to explain (no prefetch, or a prefetch that did not hide it)
         tail = (f"{(r['request_max_s'] - r['request_s']) / r['wait_s']:.2f}" if r["wait_s"] > 0.05 else "-")
         lines.append(f"| {name} | {r['step_s']:.2f} | {base / r['step_s']:.2f} | {r['rollout_s']:.2f} | "
-                     f"{r['external_s']:.2f} | {r['wait_s']:.2f} | {r['request_s']:.3f} | {r['request_max_s']:.3f} | {tail} |"
+                     f"{r['external_s']:.2f} | {r['wait_s']:.2f} | {r['request_s']:.3f} | "
+                     f"{r['request_max_s']:.3f} | {tail} |"
                      if r["request_s"] else
                      f"| {name} | {r['step_s']:.2f} | {base / r['step_s']:.2f} | {r['rollout_s']:.2f} | "
                      f"{r['external_s']:.2f} | - | - | - | - |")

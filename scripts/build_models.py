@@ -33,7 +33,8 @@ from dllm_rl.policy.modeling import DiffusionLM, DiffusionLMConfig
 from dllm_rl.policy.schedule import MaskingSchedule
 from dllm_rl.precision import resolve_bf16
 from dllm_rl.rollout.generate import TextGenerator
-from dllm_rl.sft import causal_batch, drop_overlong, causal_sft_loss, diffusion_batch, diffusion_sft_loss, solver_examples, train_sft
+from dllm_rl.sft import (causal_batch, drop_overlong, causal_sft_loss, diffusion_batch, diffusion_sft_loss,
+                         solver_examples, train_sft)
 
 # The task settings the embedded models (and the default training run) use.
 # Sudoku and Countdown, the tasks of the core method's experiments; the models are evaluated (and trained by
@@ -126,7 +127,8 @@ def evaluate_and_save(out: Path, model, tokenizer, generator: TextGenerator, eva
 
 def precision_of(log: list[dict]) -> str:
     """How the SFT forwards ran: logged by train_sft (bf16=auto autocasts only where bf16 is native)."""
-    return "bf16 autocast" if log[-1].get("bf16", resolve_bf16("auto")) else "fp32 (no native bf16 on the build machine)"
+    return ("bf16 autocast" if log[-1].get("bf16", resolve_bf16("auto"))
+            else "fp32 (no native bf16 on the build machine)")
 
 
 def reuse_built(out: Path, model_class):
@@ -179,7 +181,8 @@ def build_dllm(out: Path, steps: int, n_per_task: int, eval_prompts: int, seed: 
                      "with a leading zero (4 as 04) and written back without it",
         "training": f"masked-diffusion SFT (linear schedule, mean CE over masked tokens: see "
                     f"`dllm_rl.sft.diffusion_sft_loss` for why not LLaDA's 1/t weight here), {steps} steps x 64 "
-                    f"sequences, AdamW lr 2e-3 cosine, {precision_of(log)}; {len(data)} examples; gen window {gen_length}",
+                    f"sequences, AdamW lr 2e-3 cosine, {precision_of(log)}; "
+                    f"{len(data)} examples; gen window {gen_length}",
     }, command)
 
 
@@ -237,7 +240,8 @@ def main() -> None:
     args = parser.parse_args()
     # The command that rebuilds the models as they are: the script plus any setting that changes them.
     changed = [f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-               if k in ("dllm_steps", "ar_steps", "examples_per_task", "eval_prompts", "seed", "gen_length") and v != parser.get_default(k)]
+               if k in ("dllm_steps", "ar_steps", "examples_per_task", "eval_prompts", "seed", "gen_length")
+               and v != parser.get_default(k)]
     command = " ".join(["python scripts/build_models.py", *changed])
     torch.set_num_threads(max(1, torch.get_num_threads()))
     results = {}

@@ -45,7 +45,8 @@ def solver_rows(tokenizer, per_task: int, gen_length: int, seed: int):
             text = render_completion(task.solve(example), task.prompt_style)
             ids = tokenizer(text, add_special_tokens=False)["input_ids"][:gen_length]
             windows.append(ids + [tokenizer.eos_token_id] * (gen_length - len(ids)))
-            prompts.append(tokenizer(render_prompt(task.prompt(example), tokenizer), add_special_tokens=False)["input_ids"])
+            prompts.append(tokenizer(render_prompt(task.prompt(example), tokenizer),
+                                     add_special_tokens=False)["input_ids"])
     ids_NP, mask_NP = left_pad(prompts, tokenizer.pad_token_id, "cpu")
     window_NC = torch.tensor(windows)
     return torch.cat([ids_NP, window_NC], 1), torch.cat([mask_NP, torch.ones_like(window_NC)], 1), ids_NP.shape[1]

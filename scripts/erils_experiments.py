@@ -86,7 +86,8 @@ def main() -> None:
     args = parser.parse_args()
 
     out = Path(args.out)
-    plan = [(task, arm, seed) for task in args.tasks for arm in (args.arms or DEFAULT_ARMS[task]) for seed in args.seeds]
+    plan = [(task, arm, seed) for task in args.tasks for arm in (args.arms or DEFAULT_ARMS[task])
+            for seed in args.seeds]
     todo = [p for p in plan if not analysis.finished(run_dir(out, *p), args.steps)]
     seconds: dict[tuple, float] = {}
 

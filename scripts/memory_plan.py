@@ -107,7 +107,8 @@ def main() -> None:
           f"+ checkpointed activations ({args.rows} x {args.tokens} tokens) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
-        print(f"| {row['model']} | {row['plan']} | {row['parameters'] / 1e9:.2f}B | {row['lora_parameters'] / 1e6:.0f}M | "
+        print(f"| {row['model']} | {row['plan']} | {row['parameters'] / 1e9:.2f}B | "
+              f"{row['lora_parameters'] / 1e6:.0f}M | "
               f"{row['weights']:.1f} | {row['gradients']:.2f} | {row['optimizer']:.2f} | {row['reference']:.1f} | "
               f"{row['total']:.1f} GB | {row['total'] + row['checkpointed_activations']:.1f} GB |")
     if args.out:

@@ -14,7 +14,8 @@ TRAIN = [
     ("steps=abc", "steps='abc': expected int"), ("steps=0", "steps must be >= 1"), ("steps=-3", "steps must be >= 1"),
     ("prompts_per_step=0", "prompts_per_step must be >= 1"), ("group_size=1", "group_size must be >= 2"),
     ("inner_iterations=0", "inner_iterations must be >= 1"), ("minibatch_size=0", "minibatch_size must be >= 1"),
-    ("micro_batch_rows=-1", "micro_batch_rows must be >= 0"), ("micro_batch_forwards=-2", "micro_batch_forwards must be >= 0"),
+    ("micro_batch_rows=-1", "micro_batch_rows must be >= 0"),
+    ("micro_batch_forwards=-2", "micro_batch_forwards must be >= 0"),
     ("micro_batch_forwards=4", "micro_batch_forwards=4 cuts the forwards of likelihood=ordered or left_to_right"),
     ("lr=-1", "lr must be > 0 and finite"), ("lr=inf", "lr must be > 0 and finite"), ("lr=nan", "lr must be > 0"),
     ("lr=abc", "lr='abc': expected float"), ("lr_schedule=linear", "lr_schedule must be 'constant' or 'cosine'"),
@@ -57,7 +58,8 @@ TRAIN = [
     ("rollout.temperature_floor=-0.5", "rollout.temperature_floor=-0.5: expected a finite number >= 0"),
     ("rollout.cache_refresh=2", "rollout.cache_refresh=2 refreshes a block cache, and rollout.cache=none has none"),
     ("external=causal_lm external.draft_capacity=0", "external.draft_capacity=0: expected a number >= 1"),
-    ("external=none rollout=default", "every rollout of a prompt is the same and GRPO's advantages are all zero"), ("+rollout.top_p=0.9", "unknown config key 'rollout.top_p'"),
+    ("external=none rollout=default", "every rollout of a prompt is the same and GRPO's advantages are all zero"),
+    ("+rollout.top_p=0.9", "unknown config key 'rollout.top_p'"),
     ("likelihood.name=elbow", "likelihood.name must be one of"),
     ("likelihood.prompt_mask_prob=2", "likelihood.prompt_mask_prob=2: expected a probability in [0, 1]"),
     ("likelihood.prompt_mask_prob=-0.1", "likelihood.prompt_mask_prob=-0.1"),
@@ -67,7 +69,8 @@ TRAIN = [
     ("likelihood=elbo likelihood.num_masks=two", "likelihood.num_masks='two': expected int"),
     ("likelihood=ordered likelihood.group=0", "likelihood.group=0"),
     ("+likelihood.num_maks=3", "unknown config key 'likelihood.num_maks'"),
-    ("algo.eps_low=0", "algo.eps_low must be > 0"), ("algo.eps_low=1.5", "algo.eps_low=1.5: expected a number strictly"),
+    ("algo.eps_low=0", "algo.eps_low must be > 0"),
+    ("algo.eps_low=1.5", "algo.eps_low=1.5: expected a number strictly"),
     ("algo.eps_high=-1", "algo.eps_high must be > 0"), ("algo.beta=-0.1", "algo.beta must be >= 0"),
     ("algo.beta=nan", "algo.beta must be >= 0, got nan"), ("algo.kl=k4", "unknown algo.kl 'k4'"),
     ("algo.aggregation=tokens", "unknown algo.aggregation 'tokens'"),
@@ -106,7 +109,8 @@ EVAL = [
     ("num_prompts=0", "num_prompts=0: expected a number >= 1"), ("num_samples=0", "num_samples=0"),
     ("batch_size=0", "batch_size=0"), ("batch_size=abc", "batch_size='abc': expected int"),
     ("split=val", "split must be one of"), ("kind=gpt", "unknown kind 'gpt'"), ("dtype=float16", "unknown dtype"),
-    ("rollout.gen_length=0", "rollout.gen_length=0"), ("rollout.block_length=5", "must be a multiple of block_length=5"),
+    ("rollout.gen_length=0", "rollout.gen_length=0"),
+    ("rollout.block_length=5", "must be a multiple of block_length=5"),
     ("rollout.temperature=-1", "rollout.temperature=-1"), ("chat=maybe", "chat='maybe': expected bool"),
     ("seed=abc", "seed='abc'"), ("model=/nonexistent/m", "expected a local model directory"),
     ("+rollout.top_k=5", "unknown config key 'rollout.top_k'"),
@@ -136,11 +140,13 @@ PLAN = [("max_staleness=-1", "max_staleness=-1: expected an integer >= 0 (0 = sy
         ("kinds={cpu:{throughput:-1,price:1}}", "kinds.cpu.throughput=-1: expected a finite number > 0"),
         ("kinds={cpu:{throughput:1,price:-2}}", "kinds.cpu.price=-2: expected a finite number >= 0"),
         ("kinds={cpu:{throughput:1,speed:2,price:1}}", "kinds.cpu={'throughput': 1, 'speed': 2, 'price': 1}: expected"),
-        ("target_utilisation=1.5 kinds={cpu:{throughput:1.5,price:0.1}}", "target_utilisation=1.5: expected a number in (0, 1]"),
+        ("target_utilisation=1.5 kinds={cpu:{throughput:1.5,price:0.1}}",
+         "target_utilisation=1.5: expected a number in (0, 1]"),
         ("group_size=5 kinds={cpu:{throughput:1.5,price:0.1}}", "group_size=5: expected a divisor of batch=48"),
         ("train_s=0", "train_s=0: expected seconds > 0"), ("publish_s=-1", "publish_s=-1: expected seconds >= 0"),
         ("kinds={}", "kinds: expected at least one worker kind"),
-        ("max_staleness=0 publish_s=1 target_utilisation=0.99 kinds={cpu:{throughput:1.5,price:0.1}}", "no feasible mix: with max_staleness=0")]
+        ("max_staleness=0 publish_s=1 target_utilisation=0.99 kinds={cpu:{throughput:1.5,price:0.1}}",
+         "no feasible mix: with max_staleness=0")]
 
 CASES = ([("train", o, m) for o, m in TRAIN] + [("eval", o, m) for o, m in EVAL]
          + [("generate", o, m) for o, m in GENERATE] + [("sft", o, m) for o, m in SFT]
@@ -171,7 +177,8 @@ def test_errors_name_the_key_the_user_sets(tmp_path, capsys, monkeypatch):
     short = tmp_path / "short.jsonl"
     short.write_text("".join(json.dumps({"question": f"{i}+1?", "answer": f"#### {i + 1}"}) + "\n" for i in range(3)))
     train_file = tmp_path / "train.jsonl"  # two problems: train_pool=5000 takes both
-    train_file.write_text("".join(json.dumps({"question": f"{i}*2?", "answer": f"#### {2 * i}"}) + "\n" for i in range(2)))
+    train_file.write_text("".join(json.dumps({"question": f"{i}*2?", "answer": f"#### {2 * i}"}) + "\n"
+                                  for i in range(2)))
     cases = [
         (["eval", "task=gsm8k", f"task.test_file={short}", f"output_dir={tmp_path / 'e'}"],
          "num_prompts=100: the test split of 'gsm8k' has only 3 problems; use num_prompts<=3, or num_prompts=null "
@@ -208,7 +215,8 @@ def test_default_model_paths_resolve_from_the_package(tmp_path, monkeypatch, cap
     assert cli.main(["train", "external=causal_lm", "--cfg"]) == 0
     cfg = yaml.safe_load(capsys.readouterr().out)
     root = Path(cli.__file__).resolve().parents[1]
-    assert cfg["model"] == str(root / "models" / "tiny-dllm") and cfg["external"]["path"] == str(root / "models" / "tiny-ar")
+    assert (cfg["model"] == str(root / "models" / "tiny-dllm")
+            and cfg["external"]["path"] == str(root / "models" / "tiny-ar"))
     (tmp_path / "models" / "tiny-dllm").mkdir(parents=True)  # a directory of that name here wins
     assert cli.main(["eval", "--cfg"]) == 0 and yaml.safe_load(capsys.readouterr().out)["model"] == "models/tiny-dllm"
 

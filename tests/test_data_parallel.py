@@ -73,7 +73,8 @@ def two_ranks(monkeypatch, fake_rows, external_counts):
 @pytest.mark.parametrize("mix", ["stratified", "mixed"])
 def test_two_fake_ranks_train_on_exactly_the_rows_of_each_single_process_minibatch(monkeypatch, make_rows, mix):
     ranks = two_ranks(monkeypatch, make_rows, [3, 2])
-    assert [rows["on_policy"].shard for _, rows in ranks] == [Shard(tuple(range(6)), 12), Shard(tuple(range(6, 12)), 12)]
+    assert [rows["on_policy"].shard for _, rows in ranks] == [Shard(tuple(range(6)), 12),
+                                                              Shard(tuple(range(6, 12)), 12)]
     assert [rows["external"].shard for _, rows in ranks] == [Shard((0, 1, 2), 5), Shard((3, 4), 5)]
     whole = minibatch_plan([12, 5], 3, mix, torch.Generator().manual_seed(1))  # 12 on-policy rows, minibatches of 4
     plans = [dp.minibatch_plan(list(rows.values()), mix, torch.Generator().manual_seed(1)) for dp, rows in ranks]

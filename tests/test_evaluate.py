@@ -18,7 +18,8 @@ def test_pass_at_k_hand_values():
 def test_summarize_hand_records():
     def rec(uid, sample, reward, correct, formatted=True, num_tokens=10):
         return dict(uid=uid, sample=sample, reward=reward, correct=correct, formatted=formatted, num_tokens=num_tokens)
-    records = [rec("a", 0, 0.0, False), rec("a", 1, 1.0, True), rec("b", 0, 0.5, False, False, 20), rec("b", 1, 0.0, False)]
+    records = [rec("a", 0, 0.0, False), rec("a", 1, 1.0, True),
+               rec("b", 0, 0.5, False, False, 20), rec("b", 1, 0.0, False)]
     s = summarize(records, 2)
     assert s["pass@1"] == pytest.approx((0.5 + 0.0) / 2)
     assert s["pass@2"] == pytest.approx((1.0 + 0.0) / 2)

@@ -66,7 +66,8 @@ def learner_of(policy, rows: int, forwards: int, loss_options: dict) -> Learner:
     engine = Engine(net, optimizer, init_distributed(), deepspeed_config(stage=0, micro_batch_size=6))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     return Learner(engine, dataclasses.replace(policy, model=engine.ds), None, scheduler, loss_options, iterations=2,
-                   reuse_current=False, minibatch_mix="stratified", seed=0, dp=DataParallel(init_distributed(), 2, 3, 6),
+                   reuse_current=False, minibatch_mix="stratified", seed=0,
+                   dp=DataParallel(init_distributed(), 2, 3, 6),
                    autocast=contextlib.nullcontext(), micro_rows=rows, micro_forwards=forwards)
 
 

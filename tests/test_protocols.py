@@ -81,7 +81,8 @@ def test_eval_runs_every_length_prints_one_table_and_records_the_protocol(saved_
     assert set(summary["lengths"]) == {"32", "64"} and summary["lengths"]["64"]["countdown"]["num_prompts"] == 3
     meta = summary["meta"]
     assert meta["protocol"]["name"] == "d1" and [s["steps"] for s in meta["settings"]] == [16, 32]
-    assert meta["versions"]["torch"] == torch.__version__.split("+")[0] or meta["versions"]["torch"] == torch.__version__
+    assert (meta["versions"]["torch"] == torch.__version__.split("+")[0]
+            or meta["versions"]["torch"] == torch.__version__)
     assert meta["device"] == "cpu" and meta["dtype"] == "float32" and meta["versions"]["transformers"]
     records = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert sorted({r["gen_length"] for r in records}) == [32, 64] and len(records) == 6
@@ -109,7 +110,8 @@ def test_batch_size_and_padding_never_change_a_result(tmp_path, char_tokenizer):
         for name in ("none", "d1", "justgrpo", "fast"):
             protocol = composed(name) | {"lengths": [16] if name != "none" else None}
             # blocks of 16 over a 16-token window (the protocols' 32 would need twice the tokens; the rule is the same)
-            protocol["rollout"] = {**protocol["rollout"], "block_length": 16} | ({} if kind == "native" else {"cache": "none"})
+            protocol["rollout"] = ({**protocol["rollout"], "block_length": 16}
+                                   | ({} if kind == "native" else {"cache": "none"}))
             base = {**ROLLOUT, "gen_length": 16, "block_length": 8, "steps": 8}
             settings = Protocol(**protocol).settings(base)[0]
             one = evaluate_task(dataclasses.replace(generator, **settings), task, batch_size=1, **quiet)[1]

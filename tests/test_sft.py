@@ -70,9 +70,11 @@ def test_masked_mean_weighting_is_the_mean_ce_over_masked_tokens(tiny_policy, ch
 
 def test_solver_examples_draw_past_declined_prompts_and_name_a_task_without_solver():
     free = solver_examples(build_task("countdown"), 30, 0, with_steps=False, print_fn=lambda *_: None)
-    assert [e.prompt for e in free] == [build_task("countdown").prompt(x) for x in build_task("countdown").examples("train", 30, 0)]
+    assert [e.prompt for e in free] == [build_task("countdown").prompt(x)
+                                        for x in build_task("countdown").examples("train", 30, 0)]
     said = []
-    kept = solver_examples(build_task("countdown", solver_style="in_order"), 30, 0, with_steps=False, print_fn=said.append)
+    kept = solver_examples(build_task("countdown", solver_style="in_order"), 30, 0, with_steps=False,
+                           print_fn=said.append)
     assert len(kept) == 30 and len({e.prompt for e in kept}) == 30
     drawn = int(said[0].split(" took ")[1])
     assert drawn > 30 and said[0].startswith(f"countdown: the solver declined {drawn - 30} of {drawn} prompts")
@@ -103,7 +105,8 @@ def test_sft_loss_falls_for_both_model_kinds(char_tokenizer, make_dllm):
     policy = make_dllm(hidden=64)
     schedule = MaskingSchedule()
     policy.model.train()
-    log = train_sft(lambda batch, g: diffusion_sft_loss(policy, *diffusion_batch(char_tokenizer, batch, 32), schedule, g),
+    log = train_sft(lambda batch, g: diffusion_sft_loss(policy, *diffusion_batch(char_tokenizer, batch, 32),
+                                                        schedule, g),
                     policy.model.parameters(), data, steps=60, batch_size=16, lr=3e-3, warmup=5, log_every=20,
                     print_fn=lambda *_: None)
     assert log[-1]["loss"] < 0.8 * log[0]["loss"]

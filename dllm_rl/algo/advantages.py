@@ -126,7 +126,8 @@ def group_advantages(rewards_N: torch.Tensor, group_N: torch.Tensor, name: str, 
             continue  # a lone rollout: advantage 0
         members = [rows for rows in rows_by_group if len(rows) == size]
         index_BG = torch.stack(members)
-        adv_N[index_BG.reshape(-1)] = compute_advantages(rewards_N[index_BG], name, **kwargs).reshape(-1).to(adv_N.dtype)
+        adv_N[index_BG.reshape(-1)] = compute_advantages(rewards_N[index_BG], name,
+                                                         **kwargs).reshape(-1).to(adv_N.dtype)
     return adv_N
 
 

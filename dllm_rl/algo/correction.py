@@ -76,8 +76,10 @@ def correction_weights(log_ratio_N: torch.Tensor, config: SamplerCorrection) -> 
         capped_N = kept_N & (ratio_N > config.cap)
         weight_N = weight_N * ratio_N.clamp(max=config.cap)
     n = max(len(ratio_N), 1)
-    metrics = {"correction/reject_rate": float((~kept_N).sum()) / n, "correction/capped_rate": float(capped_N.sum()) / n,
-               "correction/weight_mean": float(weight_N.sum()) / n, "correction/log_ratio": float(log_ratio_N.sum()) / n,
+    metrics = {"correction/reject_rate": float((~kept_N).sum()) / n,
+               "correction/capped_rate": float(capped_N.sum()) / n,
+               "correction/weight_mean": float(weight_N.sum()) / n,
+               "correction/log_ratio": float(log_ratio_N.sum()) / n,
                "correction/log_ratio_abs": float(log_ratio_N.abs().sum()) / n,
                # Kish's effective sample size of the weights, as a fraction of the rollouts (1 = all weights equal)
                "correction/ess": float(weight_N.sum() ** 2 / (n * (weight_N ** 2).sum()).clamp(min=1e-30))}

@@ -6,18 +6,22 @@ Strategies, each a small module of pure decision functions plus its state here (
 |--------------------|----------------------------|---------------------------------------------|----------------------|
 | `greso`            | GRESO, arXiv 2506.02177    | skip prompts whose recent groups were flat  | before generating    |
 | `sera`             | SERA, arXiv 2609.36552     | each prompt's group size, its loss weight   | before generating    |
-| `darts`            | DARTS, arXiv 2605.30859    | G + delta rollouts, keep the best G         | before / after generating |
+| `darts`            | DARTS, arXiv 2605.30859    | G + delta rollouts, keep the best G         | before / after       |
+|                    |                            |                                             | generating           |
 | `dynamic_sampling` | DAPO, arXiv 2503.14476     | drop flat groups, draw more prompts         | after verifying      |
 | `grpo_dropout`     | GRPODropout, arXiv 2610.11854 | drop entropy-lowering positive rollouts  | after advantages     |
 | `echo`             | EchoRL                     | all-correct groups -> auxiliary SFT clips   | after advantages     |
-| `hindsight`        | hindsight relabelling      | failed rollouts -> SFT rows of the problem they solve | after advantages |
-| `bandit`           | CBS (contextual bandit)    | which rows (this step's, replayed) reach the loss | after advantages, after the update |
+| `hindsight`        | hindsight relabelling      | failed rollouts -> SFT rows of the problem  | after advantages     |
+|                    |                            | they solve                                  |                      |
+| `bandit`           | CBS (contextual bandit)    | which rows (this step's, replayed) reach    | after advantages,    |
+|                    |                            | the loss                                    | after the update     |
 
 They compose where their decisions do: `greso` with any other (it only removes prompts), `darts` with
-`dynamic_sampling`, `grpo_dropout` with any (it acts on the advantages, after the others have chosen the rows), `echo` with any but
-`dynamic_sampling` (which drops the all-correct groups echo learns from, refused by name), `hindsight` with any. `sera` decides the group sizes itself, so `sera` with `darts` (which sets them too) or with
-`dynamic_sampling` (which refills the step with groups of G) is refused by name. Choose one with `curation=greso`,
-several with `curation=[greso,dynamic_sampling]`; options as `curation.greso.p_start=0.3`.
+`dynamic_sampling`, `grpo_dropout` with any (it acts on the advantages, after the others have chosen the rows), `echo`
+with any but `dynamic_sampling` (which drops the all-correct groups echo learns from, refused by name), `hindsight` with
+any. `sera` decides the group sizes itself, so `sera` with `darts` (which sets them too) or with `dynamic_sampling`
+(which refills the step with groups of G) is refused by name. Choose one with `curation=greso`, several with
+`curation=[greso,dynamic_sampling]`; options as `curation.greso.p_start=0.3`.
 
 Every decision is the same on every rank: allocations are functions of the drawn prompts, the strategy's state
 and seeds; the state moves only by `observe`, from the groups of all ranks (gathered). The state goes into every
@@ -66,5 +70,5 @@ def build_curation(options: dict[str, Any] | None, *, group_size: int, prompts_p
     return Curation(strategies, group_size=group_size, prompts_per_step=prompts_per_step)
 
 
-__all__ = ["Bandit", "Curation", "Darts", "DynamicSampling", "Echo", "Greso", "GroupRecord", "GrpoDropout", "Hindsight", "Sera", "STRATEGIES", "build_curation",
-           "check_curation"]
+__all__ = ["Bandit", "Curation", "Darts", "DynamicSampling", "Echo", "Greso", "GroupRecord", "GrpoDropout", "Hindsight",
+           "Sera", "STRATEGIES", "build_curation", "check_curation"]

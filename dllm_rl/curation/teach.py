@@ -131,7 +131,8 @@ class Hindsight(Strategy):
         ids_NP, mask_NP = left_pad(encoded, self.tokenizer.pad_token_id, device)
         window_NC = on.ids_NL[idx, on.prompt_length:]
         seeds = [derive_seed(self.seed, "hindsight", step, *on.keys[n]) for n, _ in found]
-        return AuxRows("hindsight", torch.cat([ids_NP, window_NC], 1), torch.cat([mask_NP, torch.ones_like(window_NC)], 1),
+        return AuxRows("hindsight", torch.cat([ids_NP, window_NC], 1),
+                       torch.cat([mask_NP, torch.ones_like(window_NC)], 1),
                        ids_NP.shape[1], on.mask_NC[idx] != 0, seeds, self.config.weight, self.config.weighting)
 
 
@@ -197,7 +198,8 @@ class Bandit(Strategy):
 
     def candidate(self, rows: Rows, n: int, step: int) -> bandit.Candidate:
         counted = rows.mask_NC[n] != 0
-        entropy = 0.0 if rows.entropy_NC is None else float(rows.entropy_NC[n][counted].mean()) if counted.any() else 0.0
+        entropy = (0.0 if rows.entropy_NC is None
+                   else float(rows.entropy_NC[n][counted].mean()) if counted.any() else 0.0)
         return bandit.Candidate(rows.source, rows.keys[n], bandit.features(
             age=0, max_age=self.config.max_age, uses=0, external=rows.source == "external",
             reward=rows.rewards[n].score, advantage=float(rows.adv_N[n]),

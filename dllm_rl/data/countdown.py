@@ -1,9 +1,9 @@
 """Countdown: combine the given numbers with + - * / to reach a target, each number used exactly once.
 
 Prompt and answer format follow the d1 paper (arXiv 2504.12216), which trains on the 3-number instances of
-a Countdown set with numbers below 100 and targets up to 100 (4 numbers are an option here). Instances are generated from a random expression tree over the drawn
-numbers (so every instance is solvable), with integer intermediate results as in the TV game; the reward
-accepts any expression that reaches the target exactly in rational arithmetic.
+a Countdown set with numbers below 100 and targets up to 100 (4 numbers are an option here). Instances are generated
+from a random expression tree over the drawn numbers (so every instance is solvable), with integer intermediate results
+as in the TV game; the reward accepts any expression that reaches the target exactly in rational arithmetic.
 
 The reward parses the expression with a small recursive-descent parser (never `eval`): ASCII digits,
 + - * / and parentheses only, binary operators only (no unary minus: it is not one of the four allowed

@@ -83,7 +83,8 @@ def build_char_tokenizer(
     tok.decoder = decoders.Fuse()
     if pad_single_digits:
         tok.normalizer = normalizers.Replace(Regex(f"(?<![0-9])(?={SINGLE_DIGIT})"), "0")
-        tok.decoder = decoders.Sequence([decoders.Fuse(), decoders.Replace(Regex(f"(?<![0-9])0(?={SINGLE_DIGIT})"), "")])
+        tok.decoder = decoders.Sequence([decoders.Fuse(),
+                                         decoders.Replace(Regex(f"(?<![0-9])0(?={SINGLE_DIGIT})"), "")])
     tok.add_special_tokens(list(SPECIAL_TOKENS.values()))
     return _wrap(tok, chat_template, model_max_length)
 

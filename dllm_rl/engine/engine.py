@@ -202,7 +202,8 @@ class Engine:
 
         with torch.no_grad():
             for ref_p, p in zip(reference.module.parameters(), self.module.parameters()):
-                with deepspeed.zero.GatheredParameters([p]), deepspeed.zero.GatheredParameters([ref_p], modifier_rank=0):
+                with (deepspeed.zero.GatheredParameters([p]),
+                      deepspeed.zero.GatheredParameters([ref_p], modifier_rank=0)):
                     if self.world.is_main:
                         ref_p.data.copy_(p.data)
 

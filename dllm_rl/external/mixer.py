@@ -118,7 +118,8 @@ class ExternalMixer:
         and stops the run when it covers none (the file of another task)."""
         covered = getattr(self.source, "covered", None)
         if covered is not None:
-            print_fn(f"external source {self.source.name}: rollouts for {covered(examples)} of {len(examples)} train prompts")
+            print_fn(f"external source {self.source.name}: "
+                     f"rollouts for {covered(examples)} of {len(examples)} train prompts")
 
     # ------------------------------------------------------------------------------------ external rows
 
@@ -196,7 +197,8 @@ class ExternalMixer:
         return self.to_rows(kept, prompt_texts, tokenizer, width, eos_id, max_length, device, ids), metrics
 
     def to_rows(self, kept: list[tuple], prompt_texts: list[str], tokenizer, width: int, eos_id: int,
-                max_length: int | None, device: torch.device | str = "cpu", prompt_ids: list[int] | None = None) -> Rows:
+                max_length: int | None, device: torch.device | str = "cpu",
+                prompt_ids: list[int] | None = None) -> Rows:
         """The kept (prompt, bridged, reward, behaviour logp) tuples as buffer rows on `device`: each prompt in
         the dLLM's tokens, left-padded, then a completion window of `width` holding the text and EOS fill; keyed
         by (the prompt's global id, the row's index among that prompt's kept rows)."""

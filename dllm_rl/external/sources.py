@@ -128,7 +128,8 @@ class JsonlSource:
                 row = json.loads(line)
             except json.JSONDecodeError as error:
                 raise ConfigError(f"{path}:{number}: not valid JSON ({error.msg})") from None
-            require(isinstance(row, dict) and isinstance(row.get("uid"), str) and isinstance(row.get("completion"), str),
+            require(isinstance(row, dict) and isinstance(row.get("uid"), str) and
+                    isinstance(row.get("completion"), str),
                     f"{path}:{number}: expected an object with string fields 'uid' and 'completion', got {line[:80]!r}")
             logp = row.get("behaviour_logp")
             require(logp is None or (isinstance(logp, (int, float)) and not isinstance(logp, bool)
@@ -163,7 +164,8 @@ class SolverSource:
 
     def __init__(self, trace_steps: int = 0):
         require(isinstance(trace_steps, int) and trace_steps >= -1,
-                f"external.trace_steps must be -1 (all steps), 0 (answer only) or a positive count, got {trace_steps!r}")
+                "external.trace_steps must be -1 (all steps), 0 (answer only) or a positive count, "
+                f"got {trace_steps!r}")
         self.trace_steps = trace_steps
 
     def completion(self, task: Task, example: Example) -> str | None:

@@ -283,8 +283,8 @@ def spg(policy, ids_NL, attention_mask_NL, prompt_length: int, *, seeds_N, order
     return out_NC
 
 
-def ordered(policy, ids_NL, attention_mask_NL, prompt_length: int, *, order_NC: torch.Tensor | None = None, seeds_N=None,
-            group: int = 1, span: tuple[int, int] | None = None) -> torch.Tensor:
+def ordered(policy, ids_NL, attention_mask_NL, prompt_length: int, *, order_NC: torch.Tensor | None = None,
+            seeds_N=None, group: int = 1, span: tuple[int, int] | None = None) -> torch.Tensor:
     """`order_NC[n, i]` is the step at which completion token i was unmasked (ties share a step). `span` = (a, b)
     makes only the forwards a..b-1 of `ordered_groups` (the others' tokens are left 0: `span_mask` says which
     are scored), so a learner can back-propagate the forwards of one span before it makes the next."""
@@ -376,9 +376,10 @@ def estimate_logp(name: str, policy, ids_NL, attention_mask_NL, prompt_length: i
     return fn(policy, ids_NL, attention_mask_NL, prompt_length, **kwargs)
 
 
-RUNTIME_ARGS = ("seeds_N", "order_NC", "adv_N", "span")  # what the trainer passes per call; every other keyword is an option
-OPTION_RANGES = {"prompt_mask_prob": "probability", "num_masks": "at_least_1", "eps": "open_unit", "group": "at_least_1",
-                 "block_length": "at_least_1", "beta": "at_least_1", "omega": "probability"}
+RUNTIME_ARGS = ("seeds_N", "order_NC", "adv_N", "span")  # what the trainer passes per call;
+                                                         # every other keyword is an option
+OPTION_RANGES = {"prompt_mask_prob": "probability", "num_masks": "at_least_1", "eps": "open_unit",
+                 "group": "at_least_1", "block_length": "at_least_1", "beta": "at_least_1", "omega": "probability"}
 OPTION_CHOICES = {"masking": ELBO_MASKINGS}
 
 
@@ -440,7 +441,8 @@ class Estimator:
         return (order_NC >= groups[0][0]) & (order_NC < groups[-1][1])
 
     def score(self, policy, ids_NL, attention_mask_NL, prompt_length: int, seeds_N, order_NC,
-              mask_NC: torch.Tensor, adv_N=None, span: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              mask_NC: torch.Tensor, adv_N=None,
+              span: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(logp, level_mask) at the ratio level: per token (N, C) with `mask_NC` (with `span`, only on the
         span's tokens), or per sequence (N, 1), the sum over the counted tokens, with a mask of ones."""
         logp_NC = self.logp(policy, ids_NL, attention_mask_NL, prompt_length, seeds_N=seeds_N, order_NC=order_NC,

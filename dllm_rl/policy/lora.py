@@ -14,8 +14,8 @@ so no second copy of the model is loaded. Here:
   directory, and `dllm-rl export` merges it into a plain `from_pretrained` directory; `train model=<adapter
   directory>` starts a new run from the merged model (fully, or with a fresh adapter on top of it);
 - `gradient_checkpointing=true` recomputes each block's activations in the backward pass, through LLaDA's own
-  strategy (`whole_layer`) for LLaDA, and otherwise transformers' own switch (`activation_checkpointing_enable`, formerly `gradient_checkpointing_enable`); a model that does not support it is a named
-  error.
+  strategy (`whole_layer`) for LLaDA, and otherwise transformers' own switch (`activation_checkpointing_enable`,
+  formerly `gradient_checkpointing_enable`); a model that does not support it is a named error.
 """
 
 from __future__ import annotations

@@ -89,8 +89,9 @@ class TextGenerator:
 
     def speculate(self, prompts: Sequence[str], seeds: Sequence[int], drafter: Drafter,
                   draft_tokens: int) -> tuple[Samples, SpeculativeStats]:
-        """A causal LM's samples by speculative decoding (rollout/causal.py, drafts: rollout/speculative.py): `drafter(row, tokens)` proposes
-        up to `draft_tokens` tokens per forward; the output does not depend on the drafts."""
+        """A causal LM's samples by speculative decoding (rollout/causal.py, drafts: rollout/speculative.py):
+        `drafter(row, tokens)` proposes up to `draft_tokens` tokens per forward; the output does not depend on the
+        drafts."""
         require(not self.is_diffusion, "speculative decoding drafts for a causal LM; this model is a dLLM")
         ids_BP, mask_BP, generators = self.encode(prompts, seeds)
         return sample_speculative(self.model, ids_BP, mask_BP, max_new_tokens=self.gen_length, eos_id=self.eos_id,

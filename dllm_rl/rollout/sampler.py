@@ -126,7 +126,8 @@ def row_uniforms(generators, shape: tuple[int, ...], active_B: torch.Tensor, dev
     """Float64 uniforms of `shape` per row, drawn from the row's generator only where the row is active (0.5
     elsewhere): a row that waits for its batch draws nothing, so its later draws do not depend on its batch."""
     rows = [torch.rand(shape, generator=g, dtype=torch.float64, device=g.device).to(device) if active else
-            torch.full(shape, 0.5, dtype=torch.float64, device=device) for g, active in zip(generators, active_B.tolist())]
+            torch.full(shape, 0.5, dtype=torch.float64, device=device)
+            for g, active in zip(generators, active_B.tolist())]
     return torch.stack(rows)
 
 
@@ -217,7 +218,7 @@ def denoise(
         prompt_mask_BP = torch.ones_like(prompt_ids_BP)
     mask_id = policy.mask_id
     x_BL = torch.cat([prompt_ids_BP, torch.full((B, gen_length), mask_id, dtype=torch.long, device=device)], 1)
-    attention_mask_BL = torch.cat([prompt_mask_BP.long(), torch.ones((B, gen_length), dtype=torch.long, device=device)], 1)
+    attention_mask_BL = torch.cat([prompt_mask_BP.long(), torch.ones_like(x_BL[:, P:])], 1)
     is_prompt_BL = torch.zeros_like(x_BL, dtype=torch.bool)
     is_prompt_BL[:, :P] = prompt_mask_BP.bool()
     unmask_step_BC = torch.full((B, gen_length), -1, dtype=torch.long, device=device)
@@ -349,7 +350,8 @@ def first_eos(completion_BC: torch.Tensor, eos_id: int | None) -> torch.Tensor:
     is_eos_BC = completion_BC == eos_id if eos_id is not None else torch.zeros_like(completion_BC, dtype=torch.bool)
     C = completion_BC.shape[1]
     # argmax returns the first maximal index; rows without an EOS have no 1 and get C
-    return torch.where(is_eos_BC.any(-1), is_eos_BC.int().argmax(-1), torch.full_like(is_eos_BC[:, 0], C, dtype=torch.long))
+    return torch.where(is_eos_BC.any(-1), is_eos_BC.int().argmax(-1),
+                       torch.full_like(is_eos_BC[:, 0], C, dtype=torch.long))
 
 
 def completion_mask(completion_BC: torch.Tensor, eos_id: int) -> torch.Tensor:

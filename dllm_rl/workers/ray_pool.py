@@ -57,7 +57,8 @@ def reachable(address: str, timeout_s: float = 10.0) -> None:
         socket.create_connection((host, int(port)), timeout=timeout_s).close()
     except OSError as error:
         raise WorkersError(f"Ray did not start (the cluster at address={address!r}): nothing answers there "
-                           f"({error.strerror or error}); start its head with `ray start --head --port={port}`") from None
+                           f"({error.strerror or error}); "
+                           f"start its head with `ray start --head --port={port}`") from None
 
 
 def stop_ray() -> None:

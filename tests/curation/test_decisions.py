@@ -261,8 +261,8 @@ def test_grpo_dropout_reweights_whole_groups_of_a_batch(make_rows):
     batch.rows["on_policy"] = rows
     d.reweight(batch)
     assert rows.weight_N.tolist() == [0.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0]
-    assert rows.adv_N[:4].tolist() == pytest.approx(grpo_dropout.recentred(torch.tensor([0.5, 0.5, -0.5, -0.5]),
-                                                                           s[:4], torch.tensor([0, 1, 1, 1]).bool()).tolist())
+    assert rows.adv_N[:4].tolist() == pytest.approx(grpo_dropout.recentred(torch.tensor([0.5, 0.5, -0.5, -0.5]), s[:4],
+                                                                           torch.tensor([0, 1, 1, 1]).bool()).tolist())
     assert rows.adv_N[4:].tolist() == [0.0] * 4
     assert batch.metrics["curation/dropout_dropped"] == 1.0 and batch.metrics["curation/dropout_positive"] == 2.0
     assert check_curation({"grpo_dropout": {}}) == ["grpo_dropout"]

@@ -19,7 +19,8 @@ from tests.conftest import DigitRelabel
 from tests.test_stages import batch_of
 
 COUNTDOWN, SUDOKU = build_task("countdown"), build_task("sudoku")
-CD = Example("countdown", "[3, 5, 7]->22", Countdown.question([3, 5, 7], 22), "3*5+7", {"numbers": [3, 5, 7], "target": 22})
+CD = Example("countdown", "[3, 5, 7]->22", Countdown.question([3, 5, 7], 22), "3*5+7",
+             {"numbers": [3, 5, 7], "target": 22})
 
 
 def answer(text: str) -> str:
@@ -73,7 +74,8 @@ def test_every_label_verifies_under_the_tasks_own_reward(task_name):
     for ex in task.examples("train", 60, 1):
         if task_name == "countdown":
             a, b, c = ex.meta["numbers"]
-            texts = [f"{a}{x}{b}{y}{c}" for x in "+-*/" for y in "+-*/"] + [f"({a}{x}{b}){y}{c}" for x in "+-" for y in "*/"]
+            texts = ([f"{a}{x}{b}{y}{c}" for x in "+-*/" for y in "+-*/"]
+                     + [f"({a}{x}{b}){y}{c}" for x in "+-" for y in "*/"])
         else:
             texts = list(near_grids(ex.answer, 8))
         for text in texts:
@@ -104,7 +106,8 @@ def test_failed_rollouts_become_sft_rows_of_their_relabelled_prompts(make_rows, 
     curation.reweight(batch)
     rows = batch.auxiliary["hindsight"]
     assert len(rows) == 1 and rows.weight == 0.3  # per_prompt=1: the first failed rollout only
-    prompt = char_tokenizer.decode(rows.ids_NL[0, : rows.prompt_length][rows.attention_mask_NL[0, : rows.prompt_length] == 1])
+    prompt = char_tokenizer.decode(
+        rows.ids_NL[0, : rows.prompt_length][rows.attention_mask_NL[0, : rows.prompt_length] == 1])
     assert prompt == COUNTDOWN.prompt(COUNTDOWN.relabel(texts[0], CD))
     assert torch.equal(rows.ids_NL[0, rows.prompt_length:], on.ids_NL[0, on.prompt_length:])  # its own window
     assert rows.target_NC.tolist() == [[True] * 4 + [False] * 2]  # the counted tokens

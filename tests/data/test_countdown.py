@@ -41,7 +41,8 @@ def test_countdown_reward_hand_cases(expr, numbers, target, correct):
 
 
 def test_countdown_reasons_and_format_weight():
-    assert countdown_reward(answer("3*5"), [3, 5, 7], 15).reason == "uses [3, 5], expected each of [3, 5, 7] exactly once"
+    assert (countdown_reward(answer("3*5"), [3, 5, 7], 15).reason
+            == "uses [3, 5], expected each of [3, 5, 7] exactly once")
     assert countdown_reward(answer("7/(5-5)"), [7, 5, 5], 1).reason == "division by zero"
     assert countdown_reward(answer("3+5+7"), [3, 5, 7], 16).reason == "evaluates to 15, not 16"
     # format_weight adds to the score for a well-formed answer, whether right or wrong (d1 gives 0.1).

@@ -76,7 +76,8 @@ def test_the_format_checks_match_their_regular_expressions():
 
     strict = re.compile(r"^<reasoning>\n.*?\n</reasoning>\n<answer>\n.*?\n</answer>\n$", re.DOTALL)
     soft = re.compile(r"<reasoning>.*?</reasoning>\s*<answer>.*?</answer>", re.DOTALL)
-    texts = ["<reasoning>\n\n</reasoning>\n<answer>\n\n</answer>\n", "<reasoning>\n</reasoning>\n<answer>\n\n</answer>\n",
+    texts = ["<reasoning>\n\n</reasoning>\n<answer>\n\n</answer>\n",
+             "<reasoning>\n</reasoning>\n<answer>\n\n</answer>\n",
              "<reasoning>a</reasoning>x</reasoning>\n<answer>b</answer>", "<reasoning>a</reasoning><answer>b",
              "<reasoning>\na\n</reasoning>\n<answer>\nb\n</answer>\n\n", " <reasoning>a</reasoning><answer>b</answer>",
              "<reasoning>a</reasoning> \n <answer></answer>", "<reasoning>\na\n</reasoning>\n<answer>\n</answer>\n"]
@@ -126,7 +127,8 @@ def test_every_recipe_with_every_task_it_names_trains_with_d1s_prompts_rewards_a
     cfg = to_plain(compose_config("train", [f"+experiment={recipe}", f"task={task}"]))
     assert cfg["task"]["prompt_style"] == "d1" and cfg["task"]["reward_style"] == "d1"
     rollout = cfg["rollout"]
-    assert (rollout["gen_length"], rollout["block_length"], rollout["steps"], rollout["temperature"]) == (256, 32, 128, 0.9)
+    assert (rollout["gen_length"], rollout["block_length"], rollout["steps"],
+            rollout["temperature"]) == (256, 32, 128, 0.9)
     options = dict(cfg["task"])
     name = options.pop("name")
     if name in ("gsm8k", "math500"):

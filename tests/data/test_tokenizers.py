@@ -31,7 +31,8 @@ def test_round_trip_through_save_pretrained(kind, tmp_path):
     loaded = AutoTokenizer.from_pretrained(tmp_path)
     check_special_tokens(loaded)
     assert loaded(TEXT, add_special_tokens=False)["input_ids"] == ids
-    assert {n: getattr(loaded, f"{n}_id") for n in SPECIAL_TOKENS} == {n: getattr(tok, f"{n}_id") for n in SPECIAL_TOKENS}
+    assert ({n: getattr(loaded, f"{n}_id") for n in SPECIAL_TOKENS}
+            == {n: getattr(tok, f"{n}_id") for n in SPECIAL_TOKENS})
     assert loaded.chat_template == SIMPLE_CHAT_TEMPLATE
     assert load_tokenizer(str(tmp_path))(TEXT, add_special_tokens=False)["input_ids"] == ids
 
@@ -104,9 +105,11 @@ def test_a_tokenizer_saved_beside_a_qwen2_model_loads_as_trained(tmp_path):
     bpe = build_bpe_tokenizer(["Numbers: [41, 88, 17]"] * 50, vocab_size=300, split_digits=False)
     assert "41" in bpe.convert_ids_to_tokens(bpe("41")["input_ids"])  # merged, unlike Qwen2Tokenizer's digits
     bpe.save_pretrained(tmp_path)
-    Qwen2Config(vocab_size=len(bpe), hidden_size=32, num_hidden_layers=1, num_attention_heads=4).save_pretrained(tmp_path)
+    Qwen2Config(vocab_size=len(bpe), hidden_size=32, num_hidden_layers=1,
+                num_attention_heads=4).save_pretrained(tmp_path)
     text = "Numbers: [41, 88, 17]"
-    assert load_tokenizer(str(tmp_path))(text, add_special_tokens=False)["input_ids"] == bpe(text, add_special_tokens=False)["input_ids"]
+    assert (load_tokenizer(str(tmp_path))(text, add_special_tokens=False)["input_ids"]
+            == bpe(text, add_special_tokens=False)["input_ids"])
 
 
 def test_bpe_splits_digits_one_by_one_unless_asked_not_to(tmp_path):
@@ -118,6 +121,7 @@ def test_bpe_splits_digits_one_by_one_unless_asked_not_to(tmp_path):
     assert digits == list("0124") + list("8364") + list("19")
     assert split.decode(split(text, add_special_tokens=False)["input_ids"]) == text
     split.save_pretrained(tmp_path)
-    assert load_tokenizer(str(tmp_path))(text, add_special_tokens=False)["input_ids"] == split(text, add_special_tokens=False)["input_ids"]
+    assert (load_tokenizer(str(tmp_path))(text, add_special_tokens=False)["input_ids"]
+            == split(text, add_special_tokens=False)["input_ids"])
     merged = build_bpe_tokenizer(texts, vocab_size=300, split_digits=False)
     assert any(sum(c.isdigit() for c in p) > 1 for p in merged.convert_ids_to_tokens(merged(text)["input_ids"]))

@@ -2,8 +2,8 @@
 single-process baseline): short training runs at each ZeRO stage, a ZeRO-3 resume, a ZeRO-3 rollout, and the
 live logits of a ZeRO-3 engine restored from a checkpoint. Results go to files under OUT; the test compares.
 
-usage: dist_worker.py OUT MODEL (train STAGE... | workers STAGE... | lora STAGE... | dropout | uneven NAME | ragged NAME STAGE... |
-       resume | rollout | logits CHECKPOINT | hang)
+usage: dist_worker.py OUT MODEL (train STAGE... | workers STAGE... | lora STAGE... | dropout | uneven NAME |
+       ragged NAME STAGE... | resume | rollout | logits CHECKPOINT | hang)
 """
 
 import json
@@ -23,9 +23,9 @@ from dllm_rl.rollout.generate import TextGenerator
 
 # ERILS with the solver on arithmetic prompts with a dense reward (tests/conftest.py's DigitShare: the share of
 # digits, which an untrained model earns in varying amounts), so the on-policy rows carry a loss of their own
-# besides the solver's rows (all kept: the solver's texts are not "correct" under this reward); trigger=schedule fires for a random share of the prompts after step 0, so ranks
-# get unequal external rows; beta > 0 keeps a reference model (partitioned at stage 3), synced at step 2 and
-# saved with it.
+# besides the solver's rows (all kept: the solver's texts are not "correct" under this reward); trigger=schedule fires
+# for a random share of the prompts after step 0, so ranks get unequal external rows; beta > 0 keeps a reference model
+# (partitioned at stage 3), synced at step 2 and saved with it.
 SETTINGS = dict(
     rollout={"gen_length": 32, "block_length": 16, "steps": 16, "temperature": 1.0},
     likelihood={"name": "mean_field"},

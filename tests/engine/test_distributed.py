@@ -178,7 +178,8 @@ def test_a_minibatch_in_pieces_agrees_with_one_process_whole_at_zero2_and_zero3(
     assert all(m["policy/updates"] == 2 * 2 for m in base[1:]) and any(m.get("external/rows", 0) for m in base)
     for stage in (2, 3):
         run = metrics(two / f"pieces_zero{stage}")
-        for key in ("loss/policy", "loss/kl", "policy/grad_norm", "policy/clip_frac", "reward/on_policy", "eval/reward"):
+        for key in ("loss/policy", "loss/kl", "policy/grad_norm", "policy/clip_frac",
+                    "reward/on_policy", "eval/reward"):
             got, want = ([m[key] for m in lines if key in m] for lines in (run, base))
             assert len(want) == 2 and got == pytest.approx(want, rel=1e-5, abs=1e-7), (stage, key)
         assert_weights_agree(weights(two / f"pieces_zero{stage}", 2), weights(single / "pieces_whole_zero0", 2), stage)
@@ -187,8 +188,8 @@ def test_a_minibatch_in_pieces_agrees_with_one_process_whole_at_zero2_and_zero3(
 @pytest.mark.parametrize("name", ["sera", "ds_darts", "echo", "bandit"])
 def test_ranks_holding_uneven_rows_agree_with_one_process_at_zero_0_2_3(runs, name):
     """Rollout curation leaves the ranks uneven (SERA's group sizes, dynamic sampling's dropped groups and extra
-    rounds, DARTS's selection, GRPODropout's dropped rollouts): the gathered keys put every row in its single-process place, so losses, rewards
-    and weights still match one process at ZeRO 0, 2 and 3."""
+    rounds, DARTS's selection, GRPODropout's dropped rollouts): the gathered keys put every row in its single-process
+    place, so losses, rewards and weights still match one process at ZeRO 0, 2 and 3."""
     import dist_worker
 
     root, _, _ = runs
@@ -221,8 +222,8 @@ def test_ranks_holding_uneven_rows_agree_with_one_process_at_zero_0_2_3(runs, na
                     "loss/hindsight"):
             assert [m.get(key, 0.0) for m in run] == pytest.approx([m.get(key, 0.0) for m in base], rel=1e-5,
                                                                   abs=1e-7), (stage, key)
-        assert_weights_agree(weights(two / f"ragged_{name}_zero{stage}", 2), weights(single / f"ragged_{name}_zero0", 2),
-                             (name, stage))
+        assert_weights_agree(weights(two / f"ragged_{name}_zero{stage}", 2),
+                             weights(single / f"ragged_{name}_zero0", 2), (name, stage))
 
 
 # Golden numbers of the two-rank ZeRO-2 run (dist_worker.SETTINGS, fp32): per step (loss/policy, loss/kl,
@@ -289,7 +290,8 @@ def test_lora_dropout_resumes_bit_for_bit_on_two_ranks(runs):
     resumed, straight = out / "dropout", out / "dropout_straight"
     assert {p.name for p in (resumed / "checkpoints" / "step_000002").glob("rng_rank*.pt")} == {"rng_rank0.pt",
                                                                                            "rng_rank1.pt"}
-    a, b = (load_file(str(run / "checkpoints" / "step_000003" / "adapter_model.safetensors")) for run in (resumed, straight))
+    a, b = (load_file(str(run / "checkpoints" / "step_000003" / "adapter_model.safetensors"))
+            for run in (resumed, straight))
     assert all(torch.equal(a[k], b[k]) for k in a)
     strip = lambda m: {k: v for k, v in m.items() if not k.startswith("perf/")}  # noqa: E731
     assert [strip(m) for m in metrics(resumed)] == [strip(m) for m in metrics(straight)]

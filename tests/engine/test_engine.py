@@ -17,7 +17,8 @@ def test_config_from_flat_arguments():
     assert config["train_batch_size"] == 4 * 2 * 8 and config["train_micro_batch_size_per_gpu"] == 4
     assert config["gradient_clipping"] == 0.5 and config["bf16"] == {"enabled": True}
     zero = config["zero_optimization"]
-    assert zero["stage"] == 3 and zero["offload_optimizer"]["device"] == "cpu" and zero["offload_param"]["device"] == "cpu"
+    assert (zero["stage"] == 3 and zero["offload_optimizer"]["device"] == "cpu"
+            and zero["offload_param"]["device"] == "cpu")
     plain = deepspeed_config()
     assert plain["zero_optimization"] == {"stage": 0} and plain["bf16"] == {"enabled": False}
 
@@ -80,7 +81,8 @@ def test_zero3_offload_trains_in_one_process(saved_model, tmp_path):
     run = tmp_path / "run"
     metrics = train(build_task("arithmetic"), model=saved_model, run_dir=str(run), steps=1, **options)
     assert metrics["policy/updates"] == 1
-    before, after = load_file(f"{saved_model}/model.safetensors"), load_file(str(latest_checkpoint(run) / "model.safetensors"))
+    before, after = (load_file(f"{saved_model}/model.safetensors"),
+                     load_file(str(latest_checkpoint(run) / "model.safetensors")))
     assert any(not torch.equal(before[k], after[k]) for k in before)
     train(build_task("arithmetic"), model=saved_model, resume=str(run), steps=2, **options)
     assert latest_checkpoint(run).name == "step_000002"

@@ -54,7 +54,8 @@ def test_a_rank_with_a_bad_model_path_stops_its_peer_with_its_reason(tmp_path, b
 
 @pytest.mark.parametrize("overrides, message", [
     (["external=causal_lm", "external.path=/no/such/ar"], "external.path='/no/such/ar': expected a local"),
-    (["task=gsm8k", "task.train_file=/no/such.jsonl", "eval_every=0"], "task.train_file='/no/such.jsonl': no such file"),
+    (["task=gsm8k", "task.train_file=/no/such.jsonl", "eval_every=0"],
+     "task.train_file='/no/such.jsonl': no such file"),
 ])
 def test_a_rank_failing_on_its_external_model_or_data_files_stops_its_peer_with_its_reason(tmp_path, overrides,
                                                                                          message):

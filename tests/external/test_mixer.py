@@ -120,7 +120,8 @@ def test_external_rows_never_use_a_trajectory_estimator():
     assert external_likelihood({"name": "elbo", "num_masks": 2}, None) == {"name": "elbo", "num_masks": 2}
     with pytest.raises(ConfigError, match="needs a denoising trajectory"):
         external_likelihood({"name": "mean_field"}, {"name": "ordered"})
-    assert external_likelihood({"name": "ordered"}, {"name": "elbo", "num_masks": 2}) == {"name": "elbo", "num_masks": 2}
+    assert (external_likelihood({"name": "ordered"}, {"name": "elbo", "num_masks": 2})
+            == {"name": "elbo", "num_masks": 2})
 
 
 def test_bad_mixing_values_are_named():

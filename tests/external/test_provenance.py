@@ -25,7 +25,8 @@ def test_split_pass1_by_hand():
     solved = {"a": True, "b": True, "c": False, "d": False, "e": False}
     records = [record("a", True), record("b", False), record("c", True), record("d", True), record("e", False)]
     assert split_pass1(records, solved) == pytest.approx(
-        {"eval/external_solved_fraction": 2 / 5, "eval/pass1_external_solved": 1 / 2, "eval/pass1_external_failed": 2 / 3})
+        {"eval/external_solved_fraction": 2 / 5, "eval/pass1_external_solved": 1 / 2,
+         "eval/pass1_external_failed": 2 / 3})
     # a side with no prompt is not logged (no 0/0)
     assert split_pass1(records[:2], solved) == {"eval/external_solved_fraction": 1.0, "eval/pass1_external_solved": 0.5}
 

@@ -70,7 +70,8 @@ def test_a_training_step_on_cuda_changes_the_parameters(saved_model, tmp_path, s
     run = tmp_path / "run"
     train(DigitShare(), model=saved_model, run_dir=str(run), steps=2, checkpoint_every=2, deepspeed={"stage": stage},
           **{**SMALL, "algo": {**SMALL["algo"], "beta": 0.04}})
-    before, after = load_file(f"{saved_model}/model.safetensors"), load_file(f"{latest_checkpoint(run)}/model.safetensors")
+    before, after = (load_file(f"{saved_model}/model.safetensors"),
+                     load_file(f"{latest_checkpoint(run)}/model.safetensors"))
     assert any(not torch.equal(before[k], after[k]) for k in before)
     lines = metrics(run)
     assert [l["step"] for l in lines] == [1, 2] and all(finite(l) for l in lines)

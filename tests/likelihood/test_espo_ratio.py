@@ -28,7 +28,8 @@ def test_espo_ratio_is_exactly_one_before_the_first_update(tiny_policy, char_tok
                       rows={"on_policy": rows})
     score_old_and_reference(batch, tiny_policy, None, iterations=2, reuse_current=False, seed=0,
                             autocast=torch.autocast("cpu", enabled=False))
-    assert rows.old_logp[0].shape == (3, 1) and not torch.equal(rows.old_logp[0], rows.old_logp[1])  # masks per iteration
+    assert (rows.old_logp[0].shape == (3, 1)
+            and not torch.equal(rows.old_logp[0], rows.old_logp[1]))  # masks per iteration
     tiny_policy.model.train()
     for iteration in (0, 1):
         inputs = loss_inputs([rows], [torch.arange(3)], tiny_policy, iteration, reuse_current=False)

@@ -5,9 +5,9 @@ the published code is written (read from GSAI-ML/LLaDA-8B-Instruct and Dream-org
 quirks that break under transformers 5 (see dllm_rl/policy/compat.py):
 
 LLaDA: `LLaDAModelLM.__init__(config, model=None, init_params=False)` never calls `post_init()`; no
-`supports_gradient_checkpointing`, but its inner `LLaDAModel.set_activation_checkpointing(strategy)`; `tie_weights(self)`
-takes no arguments; the forward reads `config.use_cache`, which `LLaDAConfig` does not define; the attention mask
-is accepted and ignored, positions are absolute (0..L-1 whatever the padding); the context is
+`supports_gradient_checkpointing`, but its inner `LLaDAModel.set_activation_checkpointing(strategy)`;
+`tie_weights(self)` takes no arguments; the forward reads `config.use_cache`, which `LLaDAConfig` does not define; the
+attention mask is accepted and ignored, positions are absolute (0..L-1 whatever the padding); the context is
 `max_sequence_length`, the width `d_model`; logits are not shifted.
 
 Dream: the rotary embedding looks up `ROPE_INIT_FUNCTIONS["default"]` and keeps `inv_freq` as a non-persistent
@@ -310,7 +310,8 @@ def write_dream(path: Path, tokenizer, seed: int = 0) -> Path:
               "vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
               "num_attention_heads": 4, "max_position_embeddings": 64, "rope_theta": 10000.0, "rope_scaling": None,
               "mask_token_id": tokenizer.mask_token_id, "tie_word_embeddings": False}
-    path = write(path, tokenizer, config, {"configuration_dream.py": DREAM_CONFIG, "generation_utils.py": DREAM_GENERATION,
+    path = write(path, tokenizer, config, {"configuration_dream.py": DREAM_CONFIG,
+                                           "generation_utils.py": DREAM_GENERATION,
                                            "modeling_dream.py": DREAM_MODEL}, "modeling_dream", "DreamModel", seed)
     (path / "generation_config.json").write_text(json.dumps({"steps": 512, "alg": "entropy", "temperature": 0.2,
                                                              "mask_token_id": tokenizer.mask_token_id}))

@@ -139,7 +139,8 @@ def test_by_real_span_is_exact_for_a_model_that_ignores_the_mask():
 
 
 def test_dream_adapter_unshifts_and_passes_positions(tmp_path, char_tokenizer):
-    policy, _ = load_policy(str(write_standin(tmp_path / "dream", "Dream", char_tokenizer, True)), trust_remote_code=True)
+    policy, _ = load_policy(str(write_standin(tmp_path / "dream", "Dream", char_tokenizer, True)),
+                            trust_remote_code=True)
     assert policy.kind == "dream" and policy.shifted
     ids = torch.randint(5, 100, (2, 10))
     aligned = policy.logits(ids)
@@ -194,7 +195,8 @@ def test_no_command_runs_a_checkpoints_own_code_without_consent(tmp_path, char_t
         (checkpoint / name).write_text((planted / name).read_text())
     (checkpoint / "deepspeed").mkdir()
     commands = [["eval", f"model={planted}", "num_prompts=1"], ["generate", f"model={planted}"],
-                ["sft", f"model={planted}", "steps=1"], ["train", f"model={planted}", "steps=1", f"run_dir={tmp_path / 't'}"],
+                ["sft", f"model={planted}", "steps=1"],
+                ["train", f"model={planted}", "steps=1", f"run_dir={tmp_path / 't'}"],
                 ["export", f"checkpoint={checkpoint}", f"output_dir={tmp_path / 'out'}"],
                 ["train", "+experiment=llada8b_d1", f"model={planted}", "steps=1", f"run_dir={tmp_path / 'r'}"],
                 ["train", "+experiment=dream7b_d1", f"model={planted}", "steps=1", f"run_dir={tmp_path / 'd'}"]]

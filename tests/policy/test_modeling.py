@@ -49,7 +49,8 @@ def test_save_load_round_trip_through_auto_classes(tiny_policy, tmp_path):
 
 def test_tied_embeddings_share_one_matrix_through_training_and_save_load(tmp_path):
     sizes = dict(vocab_size=40, hidden_size=16, num_hidden_layers=1, num_attention_heads=2)
-    untied, model = DiffusionLM(DiffusionLMConfig(**sizes)), DiffusionLM(DiffusionLMConfig(**sizes, tie_word_embeddings=True))
+    untied, model = (DiffusionLM(DiffusionLMConfig(**sizes)),
+                     DiffusionLM(DiffusionLMConfig(**sizes, tie_word_embeddings=True)))
     assert untied.lm_head.weight is not untied.embed.weight
     assert model.lm_head.weight is model.embed.weight
     assert model.num_parameters() == untied.num_parameters() - 40 * 16

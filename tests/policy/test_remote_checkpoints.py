@@ -63,7 +63,8 @@ def test_dream_rope_buffers_are_recomputed(standin):
     path = standin("dream")
     config = AutoConfig.from_pretrained(path, trust_remote_code=True)
     broken = load_remote_model(str(path), "dream", config, torch.float32, skip=("rope_buffers",))
-    fixed = load_remote_model(str(path), "dream", AutoConfig.from_pretrained(path, trust_remote_code=True), torch.float32)
+    fixed = load_remote_model(str(path), "dream",
+                              AutoConfig.from_pretrained(path, trust_remote_code=True), torch.float32)
     reference = direct_model(path, weights=True)
     inv_freq = [m.inv_freq for m in broken.modules() if hasattr(m, "rope_init_fn")]
     expected = [m.inv_freq for m in reference.modules() if hasattr(m, "rope_init_fn")]

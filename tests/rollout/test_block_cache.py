@@ -19,7 +19,8 @@ MODELS = Path(__file__).resolve().parents[2] / "models"
 def batch(tokenizer, mask_id, texts=("12+7=", "3*4-5=", "9="), window=16):
     ids, mask = left_pad([tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts], tokenizer.pad_token_id)
     B = ids.shape[0]
-    return torch.cat([ids, torch.full((B, window), mask_id)], 1), torch.cat([mask, torch.ones(B, window, dtype=torch.long)], 1)
+    return (torch.cat([ids, torch.full((B, window), mask_id)], 1),
+            torch.cat([mask, torch.ones(B, window, dtype=torch.long)], 1))
 
 
 @pytest.mark.parametrize("span_of", [lambda P, L: (P + 4, L), lambda P, L: (P + 4, P + 12), lambda P, L: (0, L)])

@@ -87,7 +87,8 @@ def test_random_first_needs_generators(tiny_policy, char_tokenizer):
 def test_the_temperature_floor_raises_a_lower_temperature_only(tiny_policy, char_tokenizer, threshold):
     ids, mask = prompts(char_tokenizer, ("12+7=",) * 4)
     common = dict(gen_length=16, block_length=8, steps=16, threshold=threshold)
-    run = lambda **kw: denoise(tiny_policy, ids, mask, generators=row_generators([1, 2, 3, 4]), **common, **kw)  # noqa: E731
+    run = lambda **kw: denoise(tiny_policy, ids, mask, generators=row_generators([1, 2, 3, 4]),  # noqa: E731
+                               **common, **kw)
     greedy = run(temperature=0.0)
     assert all(torch.equal(row, greedy.sequences_BL[0]) for row in greedy.sequences_BL)  # a group of one rollout
     floored = run(temperature=0.0, temperature_floor=0.7)
@@ -100,7 +101,8 @@ def test_the_temperature_floor_raises_a_lower_temperature_only(tiny_policy, char
 
 def test_diversity_metrics_by_hand():
     completions = torch.tensor([[1, 2], [1, 2], [3, 4], [5, 6], [5, 7], [8, 6]])
-    assert distinct_share(completions, torch.tensor([0, 0, 0, 1, 1, 1])) == pytest.approx(5 / 6)  # groups: 2 distinct of 3, 3 of 3
+    assert (distinct_share(completions, torch.tensor([0, 0, 0, 1, 1, 1]))
+            == pytest.approx(5 / 6))  # groups: 2 distinct of 3, 3 of 3
     # group 1: pairs agree 1, 0, 0 -> 1/3; group 2: (5,6)-(5,7) 1/2, (5,6)-(8,6) 1/2, (5,7)-(8,6) 0 -> 1/3
     assert pairwise_agreement(completions, torch.tensor([0, 0, 0, 1, 1, 1])) == pytest.approx(1 / 3)
     assert pairwise_agreement(torch.tensor([[1, 2], [1, 2]]), torch.tensor([4, 4])) == 1.0

@@ -74,7 +74,8 @@ def test_invariants_and_batched_equals_per_row(tiny_policy, char_tokenizer, temp
     rows = []
     for j, text in enumerate(PROMPTS):
         one_ids, one_mask = encode(char_tokenizer, [text])
-        rows.append(denoise(tiny_policy, one_ids, one_mask, generators=row_generators([11 + j]), **settings).completion_BC[0])
+        rows.append(denoise(tiny_policy, one_ids, one_mask, generators=row_generators([11 + j]),
+                            **settings).completion_BC[0])
     assert torch.equal(torch.stack(rows), out.completion_BC)
 
 

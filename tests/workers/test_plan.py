@@ -21,7 +21,8 @@ def test_hand_computed_periods():
     assert Pipeline(5.0, 1.0, 48, 1).period(speeds, 6) == pytest.approx(5.0)  # (5 + 1 + 4) / 2 = 5 = T
     assert Pipeline(5.0, 1.0, 48, 1).utilisation([1.5] * 4, 6) == pytest.approx(5 / 8)  # B / X = 8 s binds
     # a slow worker's group holds the batch up: 8 groups on one 6/s and one 0.5/s worker
-    assert makespan([6.0, 0.5], 48, 6) == pytest.approx(12.0)  # the fast one's 7 groups end at 7 s, the slow one's at 12
+    assert makespan([6.0, 0.5], 48, 6) == pytest.approx(12.0)  # the fast one's 7 groups end at 7 s,
+                                                               # the slow one's at 12
     assert simulate(Pipeline(5.0, 1.0, 48, 0), speeds, 6) == pytest.approx(5 / 10)
 
 

@@ -131,7 +131,8 @@ def test_a_run_that_starts_its_own_ray_leaves_no_ray_process(saved_model, tmp_pa
     # a run that fails (its workers cannot load the model in time) stops its Ray too
     failed = subprocess.run([*command[:5], f"run_dir={tmp_path / 'failed'}", *command[6:-2], "workers.timeout_s=0.01",
                              "tensorboard=false"], env=env, capture_output=True, text=True, timeout=300)
-    assert failed.returncode != 0 and "failed to start: it did not start within 0.01 s" in failed.stderr, failed.stderr[-3000:]
+    assert (failed.returncode != 0
+            and "failed to start: it did not start within 0.01 s" in failed.stderr), failed.stderr[-3000:]
     assert not processes_mentioning(str(short))
     shutil.rmtree(short)
 
