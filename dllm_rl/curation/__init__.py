@@ -21,7 +21,9 @@ They compose where their decisions do: `greso` with any other (it only removes p
 with any but `dynamic_sampling` (which drops the all-correct groups echo learns from, refused by name), `hindsight` with
 any. `sera` decides the group sizes itself, so `sera` with `darts` (which sets them too) or with `dynamic_sampling`
 (which refills the step with groups of G) is refused by name. Choose one with `curation=greso`, several with
-`curation=[greso,dynamic_sampling]`; options as `curation.greso.p_start=0.3`.
+`curation=[greso,dynamic_sampling]`; options as `curation.greso.p_start=0.3`. Chosen strategies act in the order of
+`STRATEGIES` (greso, dynamic_sampling, sera, darts, grpo_dropout, echo, hindsight, bandit) whatever order they are
+listed in: GRESO's skips before SERA's sizes, GRPODropout's drops before the bandit's picks.
 
 Every decision is the same on every rank: allocations are functions of the drawn prompts, the strategy's state
 and seeds; the state moves only by `observe`, from the groups of all ranks (gathered). The state goes into every
@@ -64,7 +66,7 @@ def build_curation(options: dict[str, Any] | None, *, group_size: int, prompts_p
     """The run's `Curation` (no strategy: every prompt gets group_size rollouts, as without curation). `context`
     holds what some strategies need and take by name: `task` and `tokenizer` (hindsight), `dp`, `probe`,
     `estimator` and `pad_id` (bandit)."""
-    names = check_curation(options)
+    names = sorted(check_curation(options), key=list(STRATEGIES).index)  # one order, however they are listed
     strategies = [STRATEGIES[n].build(dict((options or {})[n] or {}), group_size=group_size, seed=seed,
                                       pool_size=pool_size, external=external, **context) for n in names]
     return Curation(strategies, group_size=group_size, prompts_per_step=prompts_per_step)

@@ -4,8 +4,9 @@ verified-correct row of that problem (the VLA paper's idea, where the task allow
 - Countdown: an expression over exactly the given numbers that evaluates to some other integer v is a correct
   answer to the same numbers with target v, when v is a target the task could pose (`Countdown.relabel`).
 - Sudoku: a complete, valid grid that contradicts some clues is a correct answer to the puzzle with those clues
-  blanked, when that puzzle is one the task could pose: a number of blanks in its range and the grid as its
-  unique solution (`Sudoku.relabel`).
+  blanked, when that leaves at most the task's most blanks and the puzzle is in the train split; such a puzzle has
+  several solutions (the original's among them), and the reward accepts any valid grid that keeps the clues
+  (`Sudoku.relabel`).
 A relabelled problem in the held-out split is never used. A task without a `relabel` method cannot relabel exactly
 (GSM8K, MATH500, arithmetic: the question fixes the answer), and `curation=hindsight` on it is a named error.
 

@@ -30,13 +30,17 @@ class Greso(Strategy):
         self.kind: dict[int, str] = {}  # example id -> the kind of its last flat group
         self.epochs: dict[int, list[int]] = {}  # epoch -> [groups, easy flat, hard flat] (adapted when it is over)
         self.skipped = 0
+        self.closed_at: int | None = None  # the step whose first round last closed epochs
 
     def skip_probability(self, example_id: int) -> float:
         streak = self.streak.get(example_id, 0)
         return greso.skip_probability(streak, self.p[self.kind.get(example_id, "hard")], self.config.floor)
 
     def allocate(self, step: int, drawn: list, counts: list[int]) -> list[int]:
-        if drawn:
+        # epochs close at a step's first round only: a later round (dynamic sampling) may draw from the next
+        # epoch before this step's groups of the current one are observed
+        if drawn and step != self.closed_at:
+            self.closed_at = step
             self.close_epochs(epoch_of(min(d.prompt_id for d in drawn), self.pool_size))
         out = []
         for d, n in zip(drawn, counts):
@@ -110,7 +114,7 @@ class Sera(Strategy):
                 self.posterior[example_id] = sera.posterior_update(alpha, beta, s, f, self.config.discount)
 
     def allocate(self, step: int, drawn: list, counts: list[int]) -> list[int]:
-        if drawn:
+        if drawn:  # SERA never has a second round: dynamic sampling is refused beside it
             self.close_epochs(epoch_of(min(d.prompt_id for d in drawn), self.pool_size))
         p = [self.success_rate(d.example_id) for d in drawn]
         active = [i for i, n in enumerate(counts) if n > 0

@@ -163,6 +163,7 @@ class Bandit(Strategy):
         self.last_probe: float | None = None
         self.picked: list[list[float]] = []  # the features of the step's picks, until its reward is known
         self.picked_keys: set[tuple[str, tuple[int, int]]] = set()
+        self.dropped: set[tuple[str, tuple[int, int]]] = set()  # this rank's rows dropped before the bandit
 
     def gather(self, obj) -> list:
         return [obj] if self.dp is None else self.dp.gather_objects(obj)
@@ -170,8 +171,13 @@ class Bandit(Strategy):
     def reweight(self, batch) -> None:
         if self.last_probe is None:  # before the first update (and after a resume, from the checkpoint)
             self.last_probe = self.probe()
+        # a row an earlier strategy dropped (weight 0: GRPODropout) is neither a candidate nor kept for replay
+        self.dropped = {(rows.source, key) for source in ("on_policy", "external") for rows in [batch.real(source)]
+                        if rows is not None and rows.weight_N is not None
+                        for key, w in zip(rows.keys, rows.weight_N.tolist()) if w == 0}
         mine = [self.candidate(rows, n, batch.step) for source in ("on_policy", "external")
-                for rows in [batch.real(source)] if rows is not None for n in range(len(rows))]
+                for rows in [batch.real(source)] if rows is not None for n in range(len(rows))
+                if (source, rows.keys[n]) not in self.dropped]
         current = sorted((c for part in self.gather(mine) for c in part), key=lambda c: (c.source, c.key))
         replay = [self.replay_candidate(e, batch.step) for e in self.buffer]
         candidates = current + replay
@@ -239,7 +245,7 @@ class Bandit(Strategy):
         self.scorer.update(self.picked, reward)
         on, replay = batch.real("on_policy"), batch.real("replay")
         new = [] if on is None else [entry_of(on, n, (("on_policy", on.keys[n]) in self.picked_keys))
-                                     for n in range(len(on))]
+                                     for n in range(len(on)) if ("on_policy", on.keys[n]) not in self.dropped]
         used = {} if replay is None else {tuple(k): clip_of(replay, n) for n, k in enumerate(replay.keys)}
         parts = self.gather((new, used))
         updates = {k: c for _, u in parts for k, c in u.items()}

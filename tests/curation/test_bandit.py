@@ -125,3 +125,23 @@ def test_a_bandit_run_replays_rows_and_resumes_exactly(saved_model, tmp_path):
     assert all(m["curation/bandit_buffer"] <= 8 for m in lines[0])
     state = torch.load(resumed / "checkpoints" / "step_000002" / "trainer_state.pt", weights_only=True)["state"]
     assert len(state["curation"]["bandit"]["buffer"]) == 8 and state["curation"]["bandit"]["last_probe"] is not None
+
+
+def test_rows_an_earlier_strategy_dropped_are_neither_picked_nor_replayed(make_rows):
+    """GRPODropout acts first however the strategies are listed; a row it dropped (weight 0) is no candidate of the
+    bandit and never enters its replay buffer."""
+    curation = build_curation({"bandit": {"capacity": 8, "max_age": 4}, "grpo_dropout": {}}, group_size=2,
+                              prompts_per_step=2, seed=0, pool_size=8, probe=lambda: 0.0,
+                              estimator=build_estimator({"name": "mean_field"}), pad_id=0)
+    assert curation.names == ["grpo_dropout", "bandit"]
+    bandit = curation.strategies[1]
+    batch = bandit_batch(make_rows, 0)
+    on = batch.rows["on_policy"]
+    on.weight_N = torch.tensor([0.0, 1.0, 1.0, 1.0])  # as GRPODropout leaves a dropped rollout
+    dropped = on.keys[0]
+    bandit.reweight(batch)
+    assert batch.metrics["curation/bandit_picked"] == 3.0  # the three rows left, all picked (no buffer yet)
+    assert on.weight_N.tolist() == [0.0, 1.0, 1.0, 1.0]
+    bandit.after_update(batch)
+    assert [tuple(e["key"]) for e in bandit.buffer] == [tuple(k) for k in on.keys[1:]]
+    assert tuple(dropped) not in {tuple(e["key"]) for e in bandit.buffer}

@@ -266,3 +266,24 @@ def test_grpo_dropout_reweights_whole_groups_of_a_batch(make_rows):
     assert rows.adv_N[4:].tolist() == [0.0] * 4
     assert batch.metrics["curation/dropout_dropped"] == 1.0 and batch.metrics["curation/dropout_positive"] == 2.0
     assert check_curation({"grpo_dropout": {}}) == ["grpo_dropout"]
+
+
+def test_greso_closes_an_epoch_once_with_every_group_when_a_later_round_draws_the_next():
+    """Dynamic sampling's second round draws from the next epoch before the step's groups are observed: the epoch
+    closes at the next step's first round, once, from all its groups."""
+    c = greso.GresoConfig()
+    g = Greso(c, group_size=2, seed=0, pool_size=4)
+    hard = dict(rewards=[0.0, 0.0], correct=[False, False])
+    mixed = dict(rewards=[1.0, 0.0], correct=[True, False])
+    g.allocate(1, drawn([0, 1]), [2, 2])
+    g.observe([GroupRecord(0, 0, **hard), GroupRecord(1, 1, **hard)])
+    g.allocate(2, drawn([2, 3]), [2, 2])  # step 2, round 1: epoch 0
+    g.allocate(2, drawn([4, 5]), [2, 2])  # round 2: epoch 1 already, epoch 0's last groups not yet observed
+    assert g.p == {"easy": c.p_start, "hard": c.p_start}
+    g.observe([GroupRecord(q, q, **mixed) for q in (2, 3, 4, 5)])
+    g.allocate(3, drawn([6, 7]), [2, 2])  # epoch 0 closes with its 4 groups: 2 hard flat, 0 easy flat
+    assert g.p["hard"] == pytest.approx(greso.adapt(c.p_start, 2 / 4, c.target * (1 - c.easy_share), c.step,
+                                                    c.p_min, c.p_max))
+    assert g.p["easy"] == pytest.approx(greso.adapt(c.p_start, 0.0, c.target * c.easy_share, c.step, c.p_min,
+                                                    c.p_max))
+    assert 0 not in g.epochs
