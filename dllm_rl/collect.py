@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import random
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Iterable
 
 import torch
 
@@ -68,25 +68,31 @@ class Drawn:
 
 class PromptSource:
     """The step's prompts: the train split's first `pool` examples (all of a smaller split) in a fresh seeded
-    order every epoch; `batch` gives this rank its whole groups of them. `position` (prompts drawn) is all its
-    state (saved with checkpoints)."""
+    order every epoch; `batch` gives this rank its whole groups of them. `position` (prompts drawn) is its state
+    (saved with checkpoints), with `skip`: prompt ids beyond it already trained on, which a checkpoint of
+    asynchronous rollouts may hold (dllm_rl/workers/pipelined.py) and a synchronous resume of it never draws."""
 
     def __init__(self, task: Task, tokenizer, dp: DataParallel, per_step: int, pool: int, seed: int,
-                 position: int = 0):
+                 position: int = 0, skip: Iterable[int] = ()):
         self.examples = train_examples_up_to(task, pool, seed)  # a small train file: all of it
         self.task, self.tokenizer, self.dp, self.per_step = task, tokenizer, dp, per_step
-        self.seed, self.position = seed, position
+        self.seed, self.position, self.skip = seed, position, set(skip)
 
     def draw(self, count: int) -> list[Drawn]:
-        """The next `count` prompts of the stream (the same on every rank)."""
+        """The next `count` prompts of the stream (the same on every rank), passing over `skip`."""
         out = []
-        for _ in range(count):
+        while len(out) < count:
             epoch, index = divmod(self.position, len(self.examples))
             order = list(range(len(self.examples)))
             random.Random(f"{self.seed}|epoch{epoch}").shuffle(order)
-            out.append(Drawn(self.position, order[index], self.examples[order[index]]))
+            if self.position not in self.skip:
+                out.append(Drawn(self.position, order[index], self.examples[order[index]]))
             self.position += 1
         return out
+
+    def trained_after(self) -> list[int]:
+        """The prompt ids beyond `position` trained on already (saved with checkpoints beside it)."""
+        return sorted(q for q in self.skip if q >= self.position)
 
     def __call__(self, step: int) -> list[Drawn]:
         return self.draw(self.per_step)

@@ -267,7 +267,8 @@ def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned,
                  loss_options, autocast, print_fn) -> Run:
     policy, tokenizer, engine = learned.policy, learned.tokenizer, learned.engine
     correction = SamplerCorrection(**cfg.sampler_correction)
-    prompts = PromptSource(task, tokenizer, dp, cfg.prompts_per_step, cfg.train_pool, cfg.seed, state["data_position"])
+    prompts = PromptSource(task, tokenizer, dp, cfg.prompts_per_step, cfg.train_pool, cfg.seed, state["data_position"],
+                           skip=state["trained_after"])
     if mixer is not None:
         mixer.check_source(prompts.examples, print_fn)
     generating = lambda: inference(learned.net, engine, autocast)  # noqa: E731

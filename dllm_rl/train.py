@@ -168,7 +168,8 @@ def record_step(run: Run, step: int, batch: StepBatch, metrics: dict[str, float]
     """After the update: the loop's state, held-out evaluation, the logs, the console line and, when one is due,
     a checkpoint."""
     cfg, state, learner, done = run.cfg, run.state, run.learner, step + 1
-    state.update(step=done, data_position=run.prompts.position, bad_steps=learner.bad_steps,
+    state.update(step=done, data_position=run.prompts.position, trained_after=run.prompts.trained_after(),
+                 bad_steps=learner.bad_steps,
                  external_baseline=run.mixer.baseline if run.mixer is not None else 0.0,
                  curation=run.curation.state_dict(), policy_version=policy_version(run))
     state.update(drawn_ahead(run))  # asynchronous rollouts draw prompts ahead of the step

@@ -5,8 +5,11 @@ changes lasts, because it rewrites the run's config.json."""
 import json
 
 import pytest
+import torch
 
 from dllm_rl import cli
+from dllm_rl.checkpoint import latest_checkpoint, write_manifest
+from dllm_rl.collect import PromptSource
 from dllm_rl.errors import ConfigError
 from dllm_rl.resume import config_changes, flatten, run_changing, steps_change_nothing
 from dllm_rl.train import train
@@ -87,3 +90,30 @@ def test_python_resume_is_decided_by_the_same_rule(saved_model, tmp_path):
     assert json.loads((run / "config.json").read_text())["steps"] == 2
     train(DigitShare(), model=saved_model, resume=str(run), steps=3, seed=5, allow_changes=True, **SMALL)
     assert [m["step"] for m in lines(run)] == [1, 2, 3] and json.loads((run / "config.json").read_text())["seed"] == 5
+
+
+def test_prompts_trained_ahead_of_the_position_are_passed_over_and_kept_until_reached():
+    source = PromptSource(DigitShare(), None, None, per_step=3, pool=8, seed=0, position=2, skip=[0, 3, 5, 20])
+    plain = PromptSource(DigitShare(), None, None, per_step=3, pool=8, seed=0, position=2)
+    drawn, every = source.draw(3), {d.prompt_id: d for d in plain.draw(6)}
+    assert [d.prompt_id for d in drawn] == [2, 4, 6] and source.position == 7
+    assert all(d.example_id == every[d.prompt_id].example_id for d in drawn)  # the same stream, less the skipped
+    assert source.trained_after() == [20]
+
+
+def test_a_synchronous_resume_never_draws_what_an_asynchronous_checkpoint_trained_ahead(saved_model, tmp_path):
+    """A checkpoint of asynchronous rollouts holds prompt ids beyond its position already trained on
+    (`trained_after`, dllm_rl/workers/pipelined.py); resumed with in-process rollouts, the run passes over them and
+    its next checkpoint keeps those it has not reached."""
+    run = tmp_path / "run"
+    train(DigitShare(), model=saved_model, run_dir=str(run), steps=1, **SMALL)
+    checkpoint = latest_checkpoint(run)
+    saved = torch.load(checkpoint / "trainer_state.pt", weights_only=False)
+    position = saved["state"]["data_position"]
+    saved["state"]["trained_after"] = [position + 1, position + 100]  # as an asynchronous run leaves it
+    torch.save(saved, checkpoint / "trainer_state.pt")
+    write_manifest(checkpoint)
+    train(DigitShare(), model=saved_model, resume=str(run), steps=2, **SMALL)
+    state = torch.load(latest_checkpoint(run) / "trainer_state.pt", weights_only=False)["state"]
+    assert state["data_position"] == position + SMALL["prompts_per_step"] + 1  # one prompt passed over
+    assert state["trained_after"] == [position + 100]

@@ -11,7 +11,7 @@ queued while the learner trains: that is the overlap. At S = 0 only the step's o
 snapshot: the synchronous loop.
 
 A group whose worker fails (raises, or dies: its queued groups fail with it) is started again from the front of
-the queue, with the same seeds, at most `Admission.max_failures` times; a dead worker is restarted and loads the
+the queue, with the same seeds, up to `Admission.max_failures` tries in all; a dead worker is restarted and loads the
 newest snapshot before its next group. Every wait is bounded by `timeout_s`, then a named `WorkersError`.
 """
 
@@ -57,6 +57,7 @@ class Running:
     worker: int
     ticket: Ticket
     job: Job
+    load: int = 0  # which of its worker's loads the group runs after (`Pipeline.loads`)
 
 
 @dataclass
@@ -71,10 +72,12 @@ class Pipeline:
     running: dict[Any, Running] = field(default_factory=dict)  # handle -> what it runs
     finished: dict[int, tuple[Job, Any]] = field(default_factory=dict)  # ticket index -> (job, result)
     queued_version: list[int | None] = field(default_factory=list)  # per worker: the last snapshot queued on it
+    loads: list[int] = field(default_factory=list)  # per worker: how many loads were queued on it
     counters: dict[str, int] = field(default_factory=lambda: {"regenerated": 0, "restarts": 0})
 
     def __post_init__(self) -> None:
         self.queued_version = [None] * self.backend.size
+        self.loads = [0] * self.backend.size
 
     def publish(self, snapshot: Snapshot) -> None:
         """The newest snapshot: workers load it before the next group each of them starts."""
@@ -140,8 +143,9 @@ class Pipeline:
             if self.queued_version[worker] != self.snapshot.version:
                 self.backend.load(worker, self.snapshot)
                 self.queued_version[worker] = self.snapshot.version
+                self.loads[worker] += 1
             ticket = self.admission.start(job.key, self.snapshot.step)
-            self.running[self.backend.submit(worker, job)] = Running(worker, ticket, job)
+            self.running[self.backend.submit(worker, job)] = Running(worker, ticket, job, self.loads[worker])
 
     def queued_on(self, worker: int) -> int:
         return sum(r.worker == worker for r in self.running.values())
@@ -159,6 +163,11 @@ class Pipeline:
         except Exception:  # the group failed on a live worker: try it again
             self.admission.finish(run.ticket, "failed")
             self.regenerate([run.job])
+            # the error may be the load queued before the group (a snapshot not fetched): load it again before the
+            # worker's next group (once: not for the other groups queued after that load), or every later group
+            # there would read the same failed load
+            if run.load == self.loads[run.worker]:
+                self.queued_version[run.worker] = None
             return
         made = getattr(result, "step", run.ticket.version)
         if made != run.ticket.version:

@@ -14,6 +14,7 @@ precision. Bounded staleness (S > 0) is `pipelined.py`.
 from __future__ import annotations
 
 import contextlib
+import math
 import tempfile
 import time
 from dataclasses import dataclass
@@ -148,7 +149,7 @@ def start_workers(config: WorkersConfig, model: str, sampler: dict[str, Any], bf
     if owns:
         temp = None if config.address else ray_temp_dir()
         cpus = sum(p.count * p.cpus for p in pools)
-        start_ray(config.address, num_cpus=max(1, int(cpus + 0.999)), object_store_mb=config.object_store_mb,
+        start_ray(config.address, num_cpus=max(1, math.ceil(round(cpus, 6))), object_store_mb=config.object_store_mb,
                   temp_dir=temp)
     try:
         return WorkerPool(pools, model, sampler, bf16, timeout_s=config.timeout_s,

@@ -142,6 +142,39 @@ def test_a_group_that_always_fails_stops_the_run_by_name():
         run(workers, S=1, steps=4)
 
 
+class FailedLoad(SimulatedWorkers):
+    """The first load fails on a live worker (a snapshot not fetched, say): as with Ray, every group queued after it
+    on that worker raises the load's error, until another load is queued there."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.loads, self.broken = 0, set()
+
+    def load(self, worker, snapshot):
+        super().load(worker, snapshot)
+        self.loads += 1
+        (self.broken.add if self.loads == 1 else self.broken.discard)(worker)
+
+    def submit(self, worker, job):
+        handle = super().submit(worker, job)
+        self.items[handle] += (worker in self.broken,)
+        return handle
+
+    def result(self, handle):
+        worker, job, _, snapshot, broken = self.items.pop(handle)
+        if broken:
+            raise ValueError("the snapshot's object could not be fetched")
+        return Made(job.key, snapshot.step)
+
+
+def test_a_failed_load_is_queued_again_before_the_workers_next_group():
+    workers = FailedLoad(1, duration=lambda w, job: 1.0)
+    keys, _, pipe = run(workers, S=0, steps=3)
+    assert keys == [[4 * s + i for i in range(4)] for s in range(3)]
+    # the failed load and its groups; the load again, once, before them; one load for each later step
+    assert pipe.counters["regenerated"] == 4 and workers.loads == 4
+
+
 def test_workers_that_never_finish_are_a_named_timeout():
     workers = SimulatedWorkers(2, duration=lambda w, job: 1e9)
     with pytest.raises(WorkersError, match=r"step 0: no rollout group finished within 100 s \(4 running on 2"):
