@@ -232,8 +232,8 @@ def merge_batches(first: StepBatch, later: StepBatch, pad_id: int) -> StepBatch:
     n1, n2 = len(mine or []), len(theirs or [])
     metrics = dict(first.metrics)
     for key, value in later.metrics.items():
-        if key == "rollout/forwards":
-            metrics[key] = metrics.get(key, 0.0) + value
+        if key in ("rollout/forwards", "rollout/publish_s") or (key.startswith("pool/") and key.endswith("/rollouts")):
+            metrics[key] = metrics.get(key, 0.0) + value  # counts and seconds of the step: both rounds'
         elif key in metrics and n1 + n2 > 0:  # a mean over rows (diversity): weighted by each round's rows
             metrics[key] = (metrics[key] * n1 + value * n2) / (n1 + n2)
         else:

@@ -291,15 +291,15 @@ def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned,
     rollouts = InProcessRollouts(sampler, estimator, cfg.seed, generating)
     collect = CollectRollouts(prompts, rollouts, task, curation, dp, pad_id=tokenizer.pad_token_id,
                               before_generate=external.prefetch if external is not None else None)
-    workers = WorkersConfig(**cfg.workers)
-    if workers.size > 0:
-        print_fn(describe_pools(workers.pool_list()))
-        collect = remote_collect(cfg, workers, task, learned, rollouts, prompts, collect, state)
     held_out = HeldOut(greedy, sampler, task, tokenizer, cfg.eval_prompts, cfg.eval_samples, cfg.seed, generating)
     if mixer is not None and cfg.eval_every > 0 and cfg.eval_external_samples > 0:
         held_out.external_solved = external_solves(mixer.source, task, held_out.examples(), cfg.eval_external_samples,
                                                    cfg.seed)
         print_fn(describe_provenance(held_out.external_solved, mixer.source.name, cfg.eval_external_samples))
+    workers = WorkersConfig(**cfg.workers)
+    if workers.size > 0:  # last: nothing after it can fail before `train` owns the workers (and stops them)
+        print_fn(describe_pools(workers.pool_list()))
+        collect = remote_collect(cfg, workers, task, learned, rollouts, prompts, collect, state)
     return Run(
         cfg, task, dp, run_dir, tracker, learned, state,
         prompts=prompts,

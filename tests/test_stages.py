@@ -14,7 +14,7 @@ from dllm_rl.external.sources import SolverSource
 from dllm_rl.likelihood.estimators import build_estimator
 from dllm_rl.rollout.generate import TextGenerator
 from dllm_rl.seeds import derive_seed
-from dllm_rl.collect import InProcessRollouts, PromptSource, StepBatch, verify
+from dllm_rl.collect import InProcessRollouts, PromptSource, StepBatch, merge_batches, verify
 from dllm_rl.learner import Learner
 from dllm_rl.stages import assign_advantages, score_old_and_reference, step_metrics
 
@@ -228,3 +228,18 @@ def test_ragged_groups_in_one_step_by_hand(make_rows):
 
     samples = sample_rows(batch)  # the first row of every group that has one
     assert [s["prompt"] for s in samples] == [batch.prompt_texts[p] for p in (3, 0, 2)]
+
+
+def test_two_rounds_merge_counts_and_seconds_by_sum_and_row_means_by_rows(make_rows):
+    """Dynamic sampling's rounds as one batch: forwards, publish seconds and a pool's rollouts add up; a mean over
+    rows (a pool's utilisation, say) is weighted by each round's rows."""
+    first, later = batch_of(ARITHMETIC.examples("train", 2, 0)), batch_of(ARITHMETIC.examples("train", 1, 1), 2)
+    first.rows["on_policy"], later.rows["on_policy"] = make_rows("on_policy", 4, prompts=2), make_rows("on_policy", 2)
+    first.metrics = {"rollout/forwards": 8.0, "rollout/publish_s": 0.5, "pool/fast/rollouts": 4.0,
+                     "pool/fast/utilisation": 0.9}
+    later.metrics = {"rollout/forwards": 4.0, "rollout/publish_s": 0.25, "pool/fast/rollouts": 2.0,
+                     "pool/fast/utilisation": 0.6}
+    merged = merge_batches(first, later, pad_id=0)
+    assert merged.metrics == {"rollout/forwards": 12.0, "rollout/publish_s": 0.75, "pool/fast/rollouts": 6.0,
+                              "pool/fast/utilisation": pytest.approx((0.9 * 4 + 0.6 * 2) / 6)}
+    assert len(merged.rows["on_policy"]) == 6 and merged.prompt_ids == [0, 1, 2]

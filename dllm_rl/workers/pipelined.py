@@ -84,9 +84,10 @@ class PipelinedRollouts:
         published = self.publish(step)
         start = time.perf_counter()
         groups, taken = self.pipeline.take(step)
+        waited = time.perf_counter() - start  # the learner's idle time: not its own work on the rows below
         batch = self.batch_of(step, groups)
         made = [(m, lag) for (_, m), lag in zip(groups, taken.lags)]
-        batch.metrics.update(self.step_metrics(made, published, time.perf_counter() - start, started))
+        batch.metrics.update(self.step_metrics(made, published, waited, started))
         return batch
 
     def stream(self, step: int) -> Iterator[StepBatch]:
