@@ -267,8 +267,12 @@ def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned,
                  loss_options, autocast, print_fn) -> Run:
     policy, tokenizer, engine = learned.policy, learned.tokenizer, learned.engine
     correction = SamplerCorrection(**cfg.sampler_correction)
+    workers = WorkersConfig(**cfg.workers)
+    # prompts an asynchronous checkpoint trained ahead of its position: the pipeline passes over them itself, the
+    # synchronous loop here
+    pipelined = workers.size > 0 and (workers.max_staleness > 0 or workers.pipe)
     prompts = PromptSource(task, tokenizer, dp, cfg.prompts_per_step, cfg.train_pool, cfg.seed, state["data_position"],
-                           skip=state["trained_after"])
+                           skip=() if pipelined else state["trained_after"])
     if mixer is not None:
         mixer.check_source(prompts.examples, print_fn)
     generating = lambda: inference(learned.net, engine, autocast)  # noqa: E731
@@ -296,7 +300,6 @@ def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned,
         held_out.external_solved = external_solves(mixer.source, task, held_out.examples(), cfg.eval_external_samples,
                                                    cfg.seed)
         print_fn(describe_provenance(held_out.external_solved, mixer.source.name, cfg.eval_external_samples))
-    workers = WorkersConfig(**cfg.workers)
     if workers.size > 0:  # last: nothing after it can fail before `train` owns the workers (and stops them)
         print_fn(describe_pools(workers.pool_list()))
         collect = remote_collect(cfg, workers, task, learned, rollouts, prompts, collect, state)
