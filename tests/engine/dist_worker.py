@@ -180,12 +180,14 @@ def main(out: Path, model: str, command: str, *args: str) -> None:
         run_train(out, model, 2, lora=lora, name="dropout")
         run_train(out, model, 2, steps=3, resume=True, lora=lora, name="dropout")
         run_train(out, model, 2, steps=3, lora=lora, name="dropout_straight")
-    elif command == "uneven":  # UNEVEN[name] at the given stages (ZeRO-3 by default)
-        for stage in map(int, args[1:] or ["3"]):
-            run_uneven(out, model, args[0], stage)
-    elif command == "ragged":  # RAGGED[name] at the given stages
-        for stage in map(int, args[1:]):
-            run_ragged(out, model, args[0], stage)
+    elif command == "uneven":  # UNEVEN[name] (names joined by commas) at the given stages (ZeRO-3 by default)
+        for name in args[0].split(","):
+            for stage in map(int, args[1:] or ["3"]):
+                run_uneven(out, model, name, stage)
+    elif command == "ragged":  # RAGGED[name] (names joined by commas) at the given stages
+        for name in args[0].split(","):
+            for stage in map(int, args[1:]):
+                run_ragged(out, model, name, stage)
     elif command == "resume":  # zero3 ran 2 steps; continue to 3, and run 3 straight for comparison
         run_train(out, model, 3, steps=3, resume=True)
         straight = out / "straight"

@@ -110,8 +110,33 @@ def assert_weights_agree(got: dict[str, torch.Tensor], base: dict[str, torch.Ten
     assert off <= 40 and worst < 1e-4, (label, off, worst)
 
 
+# The two-rank runs of the parametrized agreement tests below on the module's model, each kind in one launch (a
+# launch costs a launcher and two interpreters' start, several seconds on 2 cores); their outputs are named by run.
+UNEVEN_ON_THE_MODEL = ("threshold", "espo", "spg", "justgrpo")
+RAGGED_NAMES = ("sera", "ds_darts", "echo", "bandit")
+
+
+@pytest.fixture(scope="module")
+def uneven_two(runs):
+    root, _, _ = runs
+    two = root / "uneven_two"
+    two.mkdir()
+    launched(two, str(root / "model"), "uneven", ",".join(UNEVEN_ON_THE_MODEL))
+    return two
+
+
+@pytest.fixture(scope="module")
+def ragged_two(runs):
+    root, _, _ = runs
+    two = root / "ragged_two"
+    two.mkdir()
+    launched(two, str(root / "model"), "ragged", ",".join(RAGGED_NAMES), "0", "2", "3")
+    return two
+
+
 @pytest.mark.parametrize("name", ["threshold", "llada"])
-def test_ranks_that_need_different_forward_counts_agree_with_one_process_at_zero3(runs, name, char_tokenizer):
+def test_ranks_that_need_different_forward_counts_agree_with_one_process_at_zero3(runs, uneven_two, name,
+                                                                                  char_tokenizer):
     """ZeRO-3's forward-count rule (dllm_rl/lockstep.py): confidence-parallel rollouts scored by the `ordered`
     estimator, and a model that ignores the attention mask (the LLaDA stand-in, one forward per prompt length),
     make different numbers of forwards on the two ranks; the run neither hangs nor drifts from one process."""
@@ -120,11 +145,13 @@ def test_ranks_that_need_different_forward_counts_agree_with_one_process_at_zero
 
     root, _, _ = runs
     model = root / "model" if name == "threshold" else write_llada(root / f"llada_{name}", char_tokenizer)
-    single, two = root / f"uneven_single_{name}", root / f"uneven_two_{name}"
+    single, two = root / f"uneven_single_{name}", uneven_two
     single.mkdir()
-    two.mkdir()
+    if name not in UNEVEN_ON_THE_MODEL:  # a model of its own
+        two = root / f"uneven_two_{name}"
+        two.mkdir()
+        launched(two, str(model), "uneven", name)
     dist_worker.run_uneven(single, str(model), name, 0)
-    launched(two, str(model), "uneven", name)
     declared = [json.loads((two / f"{name}_declared_rank{r}.json").read_text()) for r in (0, 1)]
     assert declared[0] != declared[1]  # the ranks needed different counts: without the rule this run hangs
     base, run = metrics(single / f"{name}_zero0"), metrics(two / f"{name}_zero3")
@@ -138,7 +165,7 @@ def test_ranks_that_need_different_forward_counts_agree_with_one_process_at_zero
 
 
 @pytest.mark.parametrize("name", ["espo", "spg", "justgrpo"])
-def test_the_newest_estimators_agree_with_one_process_at_zero3(runs, name):
+def test_the_newest_estimators_agree_with_one_process_at_zero3(runs, uneven_two, name):
     """ESPO's and SPG's estimators (one forward of M masked copies per row; SPG's bound chosen by each row's
     advantage, its plain policy gradient) and JustGRPO's recipe (left to right, the old policy's log-probs replayed
     from the sampler's record: no old-policy forward on either rank) at ZeRO-3 on two ranks give one process's
@@ -146,11 +173,9 @@ def test_the_newest_estimators_agree_with_one_process_at_zero3(runs, name):
     import dist_worker
 
     root, _, _ = runs
-    single, two = root / f"estimator_single_{name}", root / f"estimator_two_{name}"
+    single, two = root / f"estimator_single_{name}", uneven_two
     single.mkdir()
-    two.mkdir()
     dist_worker.run_uneven(single, str(root / "model"), name, 0)
-    launched(two, str(root / "model"), "uneven", name)
     base, run = metrics(single / f"{name}_zero0"), metrics(two / f"{name}_zero3")
     assert all(m["policy/updates"] == 2 * 2 for m in base[1:])  # two inner iterations of two minibatches
     replayed = [m["likelihood/old_from_rollout"] for m in run if "likelihood/old_from_rollout" in m]
@@ -186,18 +211,16 @@ def test_a_minibatch_in_pieces_agrees_with_one_process_whole_at_zero2_and_zero3(
 
 
 @pytest.mark.parametrize("name", ["sera", "ds_darts", "echo", "bandit"])
-def test_ranks_holding_uneven_rows_agree_with_one_process_at_zero_0_2_3(runs, name):
+def test_ranks_holding_uneven_rows_agree_with_one_process_at_zero_0_2_3(runs, ragged_two, name):
     """Rollout curation leaves the ranks uneven (SERA's group sizes, dynamic sampling's dropped groups and extra
     rounds, DARTS's selection, GRPODropout's dropped rollouts): the gathered keys put every row in its single-process
     place, so losses, rewards and weights still match one process at ZeRO 0, 2 and 3."""
     import dist_worker
 
     root, _, _ = runs
-    single, two = root / f"ragged_single_{name}", root / f"ragged_two_{name}"
+    single, two = root / f"ragged_single_{name}", ragged_two
     single.mkdir()
-    two.mkdir()
     dist_worker.run_ragged(single, str(root / "model"), name, 0)
-    launched(two, str(root / "model"), "ragged", name, "0", "2", "3")
     base = metrics(single / f"ragged_{name}_zero0")
     whole = json.loads((single / f"ragged_{name}_zero0_rows_rank0.json").read_text())
     if name == "sera":  # groups of different sizes in one step
