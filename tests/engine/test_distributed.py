@@ -238,8 +238,9 @@ def test_ranks_holding_uneven_rows_agree_with_one_process_at_zero_0_2_3(runs, ra
             assert sum(m["curation/echo_clips"] for m in base) > 0 and any(m.get("loss/echo", 0) > 0 for m in base)
         run = metrics(two / f"ragged_{name}_zero{stage}")
         for key in ("loss/policy", "loss/kl", "policy/grad_norm", "reward/on_policy", "len/on_policy",
-                    "rollouts/on_policy", "reward/zero_std_groups", "curation/rollouts_generated", "curation/rows_dropped",
-                    "curation/dropout_dropped", "curation/echo_clips", "curation/echo_tokens", "loss/echo",
+                    "rollouts/on_policy", "reward/zero_std_groups", "curation/rollouts_generated",
+                    "curation/rows_dropped", "curation/dropout_dropped", "curation/echo_clips", "curation/echo_tokens",
+                    "loss/echo",
                     "curation/echo_external_clips", "loss/echo_external", "curation/bandit_replayed",
                     "curation/bandit_left_out", "curation/bandit_probe", "reward/replay", "curation/hindsight_rows",
                     "loss/hindsight"):
