@@ -116,6 +116,14 @@ def run_plan(cfg: dict[str, Any]) -> None:
     run(cfg)
 
 
+def run_compare(cfg: dict[str, Any]) -> None:
+    from dllm_rl.compare import compare
+
+    check_kwargs(compare, cfg, "")
+    check_types(compare, cfg, "")
+    compare(**cfg)
+
+
 # name -> (what it does, config file, runner taking the resolved config as plain dicts)
 COMMANDS: dict[str, tuple[str, str, Callable[[dict[str, Any]], None]]] = {
     "tasks": ("print examples of a task and check its rewards and solver", "tasks", run_tasks),
@@ -125,6 +133,8 @@ COMMANDS: dict[str, tuple[str, str, Callable[[dict[str, Any]], None]]] = {
     "train": ("GRPO on a masked-diffusion policy (resume=<run dir> continues a run)", "train", run_train),
     "export": ("consolidate a (ZeRO-sharded) training checkpoint into a Hugging Face model directory", "export",
                run_export),
+    "compare": ("runs of one task side by side: held-out pass@1 with standard errors, paired by seed, and a plot",
+                "compare", run_compare),
     "plan": ("the cheapest mix of rollout workers that keeps the learner at a target utilisation (--measure: "
              "this machine's numbers)", "plan", run_plan),
 }
@@ -360,12 +370,18 @@ def main(argv: list[str] | None = None) -> int:
             print(command_help(args[0]))
             return 0
         overrides = [a for a in args[1:] if a not in flags]
+        # compare's run directories may be plain arguments (dllm-rl compare runs/a runs/b): set after composing,
+        # so a path need not survive the override grammar
+        positional = [a for a in overrides if "=" not in a] if args[0] == "compare" else []
+        overrides = [a for a in overrides if a not in positional]
         resume = [o.split("=", 1)[1] for o in overrides if o.startswith("resume=")]
         allowed = False
         if resume and resume[-1] not in ("", "null") and args[0] == "train":
             cfg, allowed = resumed_config(resume[-1], [o for o in overrides if not o.startswith("resume=")])
         else:
             cfg = compose_config(config_name, overrides)
+        if positional:
+            OmegaConf.update(cfg, "runs", [*cfg.runs, *positional])
         consent_given(cfg, overrides)
         from_the_package(cfg)
         if "--cfg" in flags:

@@ -34,6 +34,7 @@ class HeldOut:
     seed: int
     inference: Callable[[], ContextManager]
     external_solved: dict[str, bool] | None = None
+    correct: dict[str, int] | None = None  # the last evaluation's greedy result per prompt (uid -> 0/1)
 
     def examples(self) -> list:
         """The held-out prompts, as `evaluate_task` draws them."""
@@ -44,6 +45,8 @@ class HeldOut:
                       tokenizer=self.tokenizer, print_fn=lambda *_: None)
         with self.inference():
             summary, records = evaluate_task(self.greedy, self.task, **common)
+            # per prompt, for paired standard errors between evaluations (held_out.jsonl, dllm_rl/analysis.py)
+            self.correct = {r["uid"]: int(bool(r["correct"])) for r in records}
             out = {"eval/pass@1": summary["pass@1"], "eval/reward": summary["reward_mean"],
                    "eval/format_rate": summary["format_rate"], "eval/len": summary["completion_tokens_mean"]}
             if self.external_solved is not None:

@@ -8,6 +8,8 @@ evaluated greedily only). matplotlib is imported when a figure is made.
 
 from __future__ import annotations
 
+import math
+
 from dllm_rl import analysis
 
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
@@ -46,8 +48,32 @@ def reward_figure(runs: list[dict], smooth: int = 5):
         for source, curve in analysis.reward_by_source(run, smooth).items():
             ax.plot(curve.index, curve.values, label=f"{run['name']} / {source}", alpha=0.85,
                     linestyle=LINESTYLES.get(source, ":"), markevery=_markevery(len(curve)), **styles[run["name"]])
-    _finish(ax, f"reward (rolling mean of {smooth})")
+            raw = analysis.series(run, f"reward/{source}")
+            se = (raw.rolling(smooth, min_periods=2).std() / raw.rolling(smooth, min_periods=1).count() ** 0.5
+                  ).fillna(0.0)
+            ax.fill_between(curve.index, curve - se, curve + se, color=styles[run["name"]]["color"], alpha=0.12)
+    ax.set_ylim(bottom=min(0.0, ax.get_ylim()[0]))
+    _finish(ax, f"reward (rolling mean of {smooth}, ± s.e.)")
     return fig
+
+
+def pass1_errors(run: dict, table) -> list[float]:
+    """The standard error of each held-out greedy pass@1 in `table` (rows of `analysis.eval_table`): binomial,
+    over the prompts of that evaluation (held_out.jsonl), or over the config's `eval_prompts` for a run without
+    per-prompt records."""
+    records, n = analysis.held_out_correct(run), run["config"].get("eval_prompts") or 0
+    out = []
+    for step, p in zip(table["step"], table["eval/pass@1"]):
+        if int(step) in records:
+            out.append(analysis.proportion_se(records[int(step)].values())[1])
+        else:
+            out.append(math.sqrt(p * (1 - p) / n) if n else 0.0)
+    return out
+
+
+def _pass1_axis(ax, tops: list[float]) -> None:
+    """From 0, so that a change reads against the whole scale and not against a zoomed window of noise."""
+    ax.set_ylim(0.0, min(1.0, max(tops, default=0.0) * 1.15 + 0.02))
 
 
 def eval_figure(runs: list[dict]):
@@ -64,12 +90,18 @@ def eval_figure(runs: list[dict]):
     panels = 2 if any(sampled.values()) else 1
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4), squeeze=False)
     styles = _styles(runs)
+    by_name = {run["name"]: run for run in runs}
+    tops = []
     for name, table in tables.items():
-        axes[0, 0].plot(table["step"], table["eval/pass@1"], label=name, alpha=0.85, **styles[name])
+        errors = pass1_errors(by_name[name], table)
+        axes[0, 0].errorbar(table["step"], table["eval/pass@1"], yerr=errors, capsize=3, label=f"{name} (± s.e.)",
+                            alpha=0.85, **styles[name])
+        tops += [p + e for p, e in zip(table["eval/pass@1"], errors)]
         for j, key in enumerate(sampled[name]):
             axes[0, 1].plot(table["step"], table[key], label=f"{name} {key[5:]}", alpha=0.85,
                             linestyle=("-", "--", ":", "-.")[j % 4], **styles[name])
     axes[0, 0].set_title("greedy pass@1 (held-out)")
+    _pass1_axis(axes[0, 0], tops)
     _finish(axes[0, 0], "accuracy")
     if panels == 2:
         axes[0, 1].set_title("sampled pass@1 and best-of-k (held-out)")
@@ -88,4 +120,42 @@ def length_figure(runs: list[dict]):
             ax.plot(curve.index, curve.values, label=f"{run['name']} / {source}", alpha=0.85,
                     linestyle=LINESTYLES.get(source, ":"), markevery=_markevery(len(curve)), **styles[run["name"]])
     _finish(ax, "tokens (dLLM vocabulary)")
+    return fig
+
+
+def compare_figure(runs: list[dict], labels: list[str], window: int = 5):
+    """`dllm-rl compare`'s figure: on-policy training reward (rolling mean over `window` steps, ± its standard
+    error over those steps) and held-out greedy pass@1 (± its standard error) against step; one colour per arm,
+    one line style per seed."""
+    import matplotlib.pyplot as plt
+
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    arm_colour = {label: colours[i % len(colours)] for i, label in enumerate(dict.fromkeys(labels))}
+    seeds = list(dict.fromkeys(run["config"].get("seed") for run in runs))
+    styles = ("-", "--", ":", "-.")
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+    tops = []
+    for run, label in zip(runs, labels):
+        seed = run["config"].get("seed")
+        style = dict(color=arm_colour[label], linestyle=styles[seeds.index(seed) % len(styles)])
+        name = f"{label} / seed {seed}"
+        reward = analysis.series(run, "reward/on_policy")
+        if len(reward):
+            mean = reward.rolling(window, min_periods=1).mean()
+            se = (reward.rolling(window, min_periods=2).std() / reward.rolling(window, min_periods=1).count() ** 0.5
+                  ).fillna(0.0)
+            left.plot(mean.index, mean.values, label=name, **style)
+            left.fill_between(mean.index, mean - se, mean + se, color=style["color"], alpha=0.15)
+        table = analysis.eval_table(run)
+        if not table.empty:
+            errors = pass1_errors(run, table)
+            right.errorbar(table["step"], table["eval/pass@1"], yerr=errors, capsize=3, marker="o", label=name,
+                           **style)
+            tops += [p + e for p, e in zip(table["eval/pass@1"], errors)]
+    left.set_title(f"on-policy training reward (rolling mean of {window}, ± s.e.)")
+    right.set_title("held-out greedy pass@1 (± s.e.)")
+    _pass1_axis(right, tops)
+    left.set_ylim(bottom=min(0.0, left.get_ylim()[0]))
+    _finish(left, "reward")
+    _finish(right, "pass@1")
     return fig

@@ -121,7 +121,7 @@ class Tracker:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if resume_step is not None:
-            for name in ("metrics.jsonl", "samples.jsonl"):
+            for name in ("metrics.jsonl", "samples.jsonl", "held_out.jsonl"):
                 cut_back(self.run_dir / name, resume_step)
         self._writer = None
         if tensorboard:
@@ -149,6 +149,13 @@ class Tracker:
                 f.write(json.dumps({"step": step, **row}) + "\n")
         if self._wandb is not None:
             self._wandb.samples(step, rows)
+
+    def held_out(self, step: int, correct: dict[str, int] | None) -> None:
+        """One held-out evaluation's greedy result per prompt (uid -> 0/1) into held_out.jsonl: what paired
+        standard errors between evaluations and between runs are computed from (dllm_rl/analysis.py)."""
+        if correct is not None:
+            with open(self.run_dir / "held_out.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, "uid": list(correct), "correct": list(correct.values())}) + "\n")
 
     def close(self) -> None:
         if self._writer is not None:
@@ -185,6 +192,9 @@ class NullTracker(Tracker):
         pass
 
     def samples(self, step, rows):
+        pass
+
+    def held_out(self, step, correct):
         pass
 
 

@@ -87,6 +87,7 @@ def run_steps(run: Run) -> dict[str, float]:
         with peers_answering(lambda: "the evaluation before step 1", lambda: resume_hint(run)):
             before = run.held_out()
         run.tracker.log(0, before)
+        run.tracker.held_out(0, run.held_out.correct)
         run.print_fn(console_line(0, cfg.steps, before))
     metrics: dict[str, float] = {}
     bar = progress_bar(run)
@@ -175,6 +176,7 @@ def record_step(run: Run, step: int, batch: StepBatch, metrics: dict[str, float]
     state.update(drawn_ahead(run))  # asynchronous rollouts draw prompts ahead of the step
     if cfg.eval_every > 0 and (done % cfg.eval_every == 0 or done == cfg.steps):
         metrics.update(run.held_out())
+        run.tracker.held_out(done, run.held_out.correct)
     run.tracker.log(done, metrics)
     if cfg.sample_every > 0 and (step % cfg.sample_every == 0 or done == cfg.steps):
         run.tracker.samples(done, sample_rows(batch))
@@ -222,19 +224,26 @@ def progress_bar(run: Run) -> tqdm:
 
 def run_summary(run_dir: Path, window: int = 10) -> str:
     """The closing lines of a run: training reward early against late (the first and last `window` steps, or
-    the two halves of a shorter run), held-out accuracy before and after."""
-    from dllm_rl.analysis import eval_table, load_run, series
+    the two halves of a shorter run, each mean ± its standard error over steps), held-out accuracy at every
+    evaluation, and the greedy held-out gain from the first evaluation to the last with its standard error paired
+    over the prompts (dllm_rl/analysis.py)."""
+    from dllm_rl.analysis import eval_table, held_out_gain, load_run, mean_se, series
 
     run = load_run(run_dir)
     reward, evals = series(run, "reward/on_policy"), eval_table(run)
     steps = int(run["metrics"]["step"].max())
     lines = [f"run {run_dir}: {steps} step{'s' if steps != 1 else ''}"]
+
+    def interval(values) -> str:
+        mean, se = mean_se(values)
+        return f"{mean:.3f}" if len(values) == 1 else f"{mean:.3f} ± {se:.3f}"
+
     if len(reward) == 1:
         lines.append(f"  on-policy training reward: {reward.iloc[0]:.3f} (1 step)")
     elif len(reward):
         n = min(window, len(reward) // 2)  # never the same steps on both sides
-        lines.append(f"  on-policy training reward: {reward.iloc[:n].mean():.3f} ({steps_named('first', n)}) -> "
-                     f"{reward.iloc[-n:].mean():.3f} ({steps_named('last', n)})")
+        lines.append(f"  on-policy training reward: {interval(reward.iloc[:n])} ({steps_named('first', n)}) -> "
+                     f"{interval(reward.iloc[-n:])} ({steps_named('last', n)})")
     external = series(run, "reward/external")
     if len(external):
         lines.append(f"  external rows per step: {series(run, 'external/rows').mean():.1f}, "
@@ -243,6 +252,13 @@ def run_summary(run_dir: Path, window: int = 10) -> str:
                 or k.startswith(("eval/best_of", "eval/pass1_external_"))]:
         values = " -> ".join(f"{v:.3f}" for v in evals[key])
         lines.append(f"  held-out {key[5:]} at steps {', '.join(map(str, evals['step']))}: {values}")
+    gain = held_out_gain(run)
+    if gain is not None:
+        ratio = f", {gain['gain'] / gain['gain_se']:+.1f} s.e." if gain["gain_se"] > 0 else ""
+        lines.append(f"  held-out greedy pass@1 ({gain['prompts']} prompts), step {gain['start_step']} -> "
+                     f"{gain['end_step']}: {gain['start']:.3f} ± {gain['start_se']:.3f} -> {gain['end']:.3f} ± "
+                     f"{gain['end_se']:.3f}, gain {gain['gain']:+.3f} ± {gain['gain_se']:.3f} (paired over "
+                     f"prompts{ratio})")
     return "\n".join(lines)
 
 

@@ -147,11 +147,15 @@ PLAN = [("max_staleness=-1", "max_staleness=-1: expected an integer >= 0 (0 = sy
         ("kinds={}", "kinds: expected at least one worker kind"),
         ("max_staleness=0 publish_s=1 target_utilisation=0.99 kinds={cpu:{throughput:1.5,price:0.1}}",
          "no feasible mix: with max_staleness=0")]
+COMPARE = [("/nonexistent/run window=0", "window=0: expected a whole number of steps >= 1"),
+           ("", "expected one or more run directories (dllm-rl compare runs/a runs/b ...)"),
+           ("/nonexistent/run", "'/nonexistent/run' is not a run directory (no metrics.jsonl)"),
+           ("runs=[/nonexistent/run] window=2", "is not a run directory")]
 
 CASES = ([("train", o, m) for o, m in TRAIN] + [("eval", o, m) for o, m in EVAL]
          + [("generate", o, m) for o, m in GENERATE] + [("sft", o, m) for o, m in SFT]
          + [("tasks", o, m) for o, m in TASKS] + [("export", o, m) for o, m in EXPORT]
-         + [("plan", o, m) for o, m in PLAN])
+         + [("plan", o, m) for o, m in PLAN] + [("compare", o, m) for o, m in COMPARE])
 
 
 def test_the_table_is_long_and_covers_every_command():
@@ -164,7 +168,7 @@ def test_a_bad_value_is_a_named_error(command, overrides, message, saved_model, 
             "eval": [f"model={saved_model}", f"output_dir={tmp_path / 'eval'}"], "generate": [f"model={saved_model}"],
             "sft": [f"model={saved_model}", f"output_dir={tmp_path / 'sft'}", "steps=1"], "tasks": ["check=0"],
             "export": [f"output_dir={tmp_path / 'out'}"],
-            "plan": ["train_s=5"]}[command]
+            "plan": ["train_s=5"], "compare": [f"plot={tmp_path / 'compare.png'}"]}[command]
     assert cli.main([command, *base, *overrides.split()]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.startswith("error: ") and message in err, err

@@ -17,7 +17,7 @@ from tests.conftest import DigitShare
 SETTINGS = dict(rollout={"gen_length": 16, "block_length": 8, "steps": 8, "temperature": 1.0},
                 likelihood={"name": "mean_field"}, external={"name": "none"}, prompts_per_step=2, group_size=4,
                 minibatch_size=8, eval_every=0, sample_every=0, tensorboard=False, lr=1e-3, warmup=0,
-                checkpoint_every=2, keep_checkpoints=0, print_fn=lambda *_: None)
+                checkpoint_every=2, keep_checkpoints=0, lr_schedule="constant", print_fn=lambda *_: None)
 
 
 class Planted:

@@ -25,7 +25,7 @@ def test_every_config_composes_with_every_option_of_its_groups(config_name):
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         base = compose(config_name)
         groups = [(g, o) for g, o in group_options() if g in base]
-        assert groups or config_name in ("export", "plan"), f"{config_name} uses no config group"
+        assert groups or config_name in ("export", "plan", "compare"), f"{config_name} uses no config group"
         for group, option in groups:
             cfg = compose(config_name, overrides=[f"{group}={option}"])
             if group == "curation":  # keyed by strategy, so that several compose: curation=[greso,darts]

@@ -54,6 +54,10 @@ def test_analysis_tables(tiny_runs):
     loaded = analysis.load_runs([tiny_runs / "runs" / "grpo", tiny_runs / "runs" / "erils"])
     table = analysis.summary(loaded)
     assert list(table.index) == ["grpo", "erils"] and "eval/best_of_2 end" in table.columns
+    # every evaluation's per-prompt results are kept (held_out.jsonl): the gain comes with its paired s.e.
+    gain = analysis.held_out_gain(loaded[0])
+    assert gain["prompts"] == 4 and gain["start_step"] == 0 and gain["end_step"] == 3
+    assert table.loc["grpo", "pass@1 gain"] == gain["gain"] and "reward last s.e." in table.columns
     assert list(analysis.reward_by_source(loaded[1]).columns) == ["on_policy", "external"]
     assert set(analysis.last_samples(loaded[1])["source"]) == {"on_policy", "external"}
 
@@ -80,8 +84,11 @@ def test_figures_show_what_there_is_with_whole_steps_and_runs_apart(tiny_runs):
         for ax in figure.axes:
             ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
             assert ticks and all(float(t).is_integer() for t in ticks), ticks
-            looks = [(line.get_color(), line.get_marker(), line.get_linestyle()) for line in ax.lines]
+            looks = [(line.get_color(), line.get_marker(), line.get_linestyle()) for line in ax.lines
+                     if not line.get_label().startswith("_")]  # error bars' caps are unlabelled
             assert len(set(looks)) == len(looks)  # no two curves drawn alike
+    held_out = both.axes[0]  # greedy pass@1 with error bars, on an axis from 0 (not zoomed into the noise)
+    assert len(held_out.containers) == 3 and held_out.get_ylim()[0] == 0.0
     reward = plots.reward_figure(runs).axes[0]
     erils = [line for line in reward.lines if line.get_label().startswith("erils")]
     assert {line.get_linestyle() for line in erils} == {"-", "--"}  # on-policy solid, external dashed

@@ -16,8 +16,11 @@ from dllm_rl.rollout.sampler import completion_mask
 from dllm_rl.train import train
 from tests.conftest import DigitShare
 
+# a fixed sampler and learning rate: what these tests compare is the loop's bookkeeping, not the defaults that learn
 SMALL = dict(
-    rollout={"gen_length": 16, "block_length": 8, "steps": 8, "temperature": 1.0},
+    rollout={"gen_length": 16, "block_length": 8, "steps": 8, "temperature": 1.0, "threshold": None,
+             "random_first": False},
+    lr_schedule="constant",
     likelihood={"name": "mean_field"},
     algo={"advantage": "mean", "eps_low": 0.2, "eps_high": 0.2, "beta": 0.0},
     prompts_per_step=2, group_size=4, minibatch_size=8, eval_every=0, sample_every=1, tensorboard=False,
@@ -269,8 +272,8 @@ def test_a_new_run_never_appends_to_an_old_one(saved_model, tmp_path):
 @pytest.mark.parametrize("steps, reward_line", [
     (1, "on-policy training reward: 0.100 (1 step)"),
     (3, "on-policy training reward: 0.100 (first step) -> 0.300 (last step)"),
-    (7, "on-policy training reward: 0.200 (first 3 steps) -> 0.600 (last 3 steps)"),
-    (30, "on-policy training reward: 0.550 (first 10 steps) -> 2.550 (last 10 steps)"),
+    (7, "on-policy training reward: 0.200 ± 0.058 (first 3 steps) -> 0.600 ± 0.058 (last 3 steps)"),
+    (30, "on-policy training reward: 0.550 ± 0.096 (first 10 steps) -> 2.550 ± 0.096 (last 10 steps)"),
 ])
 def test_the_summary_compares_steps_that_do_not_overlap(tmp_path, steps, reward_line):
     from dllm_rl.train import run_summary
@@ -280,3 +283,21 @@ def test_the_summary_compares_steps_that_do_not_overlap(tmp_path, steps, reward_
     text = run_summary(tmp_path)
     assert text.splitlines()[0] == f"run {tmp_path}: {steps} step{'s' if steps > 1 else ''}"
     assert reward_line in text
+
+
+def test_the_summary_gives_the_held_out_gain_paired_over_prompts(tmp_path):
+    """Four prompts: 1 of 4 right before, 3 of 4 after, two flipped up and none down. By hand: p = 0.25 and 0.75,
+    each with binomial s.e. sqrt(0.25 * 0.75 / 4) = 0.217; the per-prompt differences [1, 0, 0, 1] have mean 0.5
+    and sample s.d. sqrt(1/3), so the paired s.e. is sqrt(1/3) / 2 = 0.289 (1.7 s.e.)."""
+    from dllm_rl.train import run_summary
+
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in [
+        {"step": 0, "eval/pass@1": 0.25}, {"step": 1, "reward/on_policy": 0.5},
+        {"step": 2, "reward/on_policy": 0.5, "eval/pass@1": 0.75}]))
+    (tmp_path / "held_out.jsonl").write_text("".join(json.dumps(row) + "\n" for row in [
+        {"step": 0, "uid": ["a", "b", "c", "d"], "correct": [0, 0, 1, 0]},
+        {"step": 2, "uid": ["a", "b", "c", "d"], "correct": [1, 0, 1, 1]}]))
+    text = run_summary(tmp_path)
+    assert "held-out pass@1 at steps 0, 2: 0.250 -> 0.750" in text
+    assert ("held-out greedy pass@1 (4 prompts), step 0 -> 2: 0.250 ± 0.217 -> 0.750 ± 0.217, gain +0.500 ± 0.289 "
+            "(paired over prompts, +1.7 s.e.)") in text

@@ -15,8 +15,9 @@ pytestmark = pytest.mark.slow
 
 # a pool of 6 prompts, 4 a step: every other step starts an epoch, so GRESO and SERA move within the run
 COMMON = dict(prompts_per_step=4, group_size=3, minibatch_size=6, train_pool=6, eval_every=0, sample_every=0,
-              tensorboard=False, bf16=False, lr=1e-3, warmup=0, checkpoint_every=2, external={"name": "none"},
-              rollout={"gen_length": 16, "block_length": 8, "steps": 8, "temperature": 1.0},
+              tensorboard=False, bf16=False, lr=1e-3, lr_schedule="constant", warmup=0, checkpoint_every=2, external={"name": "none"},
+              rollout={"gen_length": 16, "block_length": 8, "steps": 8, "temperature": 1.0, "threshold": None,
+                       "random_first": False},  # the exact sampler: its groups give each strategy work to do
               print_fn=lambda *_: None)
 CURATIONS = {
     "greso_ds_darts": {"greso": {"p_start": 0.3}, "dynamic_sampling": {"max_extra": 12}, "darts": {"delta": 1}},

@@ -52,7 +52,9 @@ def test_a_piped_step_equals_the_synchronous_update(extra, saved_model, tmp_path
     train(DigitShare(), run_dir=str(piped), workers={"count": 1, "pipe": True}, **options)
     a, b, start = weights(latest_checkpoint(local)), weights(latest_checkpoint(piped)), weights(saved_model)
     assert any(not torch.equal(a[k], start[k]) for k in a)  # the run trained
-    assert all(torch.allclose(a[k], b[k], rtol=0, atol=1e-6) for k in a)
+    # Adam divides by sqrt(v): where a weight's gradient is near zero, the rounding of the sum's order (groups one
+    # by one) becomes a few percent of its step (lr 1e-4): 3.5e-6 measured; a group lost or counted twice is ~1e-4
+    assert all(torch.allclose(a[k], b[k], rtol=0, atol=2e-5) for k in a)
     assert not all(torch.equal(a[k], b[k]) for k in a)  # rounded otherwise: the normaliser comes at the end
     ours, theirs = metrics_of(local), metrics_of(piped)
     for key in ("reward/on_policy", "rollouts/on_policy", "policy/updates", "len/on_policy", "reward/accuracy"):
