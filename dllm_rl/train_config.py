@@ -38,9 +38,9 @@ from dllm_rl.workers.config import WorkersConfig
 # The default option of each config group: configs/<group>/<option>.yaml, as configs/train.yaml picks them.
 GROUP_DEFAULTS: dict[str, dict[str, Any]] = {
     "rollout": {"name": "rl", "gen_length": 64, "block_length": 32, "steps": 32, "temperature": 1.0,
-                "remasking": "low_confidence", "cfg_scale": 0.0, "threshold": None, "factor": None,
-                "random_first": False, "cache": "none", "cache_refresh": 0, "temperature_floor": 0.0},
-    "likelihood": {"name": "mean_field", "prompt_mask_prob": 0.15},
+                "remasking": "low_confidence", "cfg_scale": 0.0, "threshold": 0.9, "factor": None,
+                "random_first": True, "cache": "none", "cache_refresh": 0, "temperature_floor": 0.0},
+    "likelihood": {"name": "mean_field", "prompt_mask_prob": 0.0},
     "algo": {"name": "grpo", "advantage": "mean", "eps_low": 0.2, "eps_high": 0.2, "beta": 0.0, "kl": "k3",
              "aggregation": "token", "constant": None, "objective": "clipped"},
     "external": {"name": "solver", "trace_steps": 0},
@@ -65,7 +65,7 @@ class TrainConfig:
     trust_remote_code: bool = False
     run_dir: str | None = None
     resume: str | None = None
-    steps: int = 30
+    steps: int = 80
     prompts_per_step: int = 8
     group_size: int = 6
     inner_iterations: int = 1
@@ -73,15 +73,15 @@ class TrainConfig:
     micro_batch_rows: int = 0
     micro_batch_forwards: int = 0
     lr: float = 1.0e-4
-    lr_schedule: str = "constant"
+    lr_schedule: str = "cosine"
     warmup: int = 5
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     bf16: bool | str = "auto"
     seed: int = 0
     train_pool: int = 5000
-    eval_every: int = 10
-    eval_prompts: int = 64
+    eval_every: int = 80
+    eval_prompts: int = 512
     eval_samples: int = 0
     eval_external_samples: int = 4
     checkpoint_every: int = 10

@@ -23,6 +23,7 @@ pytestmark = pytest.mark.slow
 COMMON = dict(prompts_per_step=2, group_size=4, steps=2, checkpoint_every=2, eval_every=0, sample_every=0,
               tensorboard=False, bf16=False, seed=0, lr=1e-3, lr_schedule="constant", warmup=0, weight_decay=0.0,
               grad_clip=1.0, print_fn=lambda *_: None)
+EXACT = {"threshold": None, "random_first": False}  # the exact sampler the numbers were pinned with
 # The task: arithmetic prompts with a dense reward (the share of digits in the completion) and the arithmetic
 # solver as the external policy (tests/conftest.py).
 RUNS = {
@@ -30,13 +31,14 @@ RUNS = {
     # holds rows of both groups in unequal shares, so its policy loss is not the zero that a whole step of
     # mean-centred advantages over equal lengths gives, and the second is scored after the first update.
     "on_policy": dict(
-        rollout={"gen_length": 16, "block_length": 8, "steps": 8, "temperature": 1.0},
-        likelihood={"name": "mean_field"}, algo={"advantage": "mean", "eps_low": 0.2, "eps_high": 0.2, "beta": 0.04},
+        rollout={"gen_length": 16, "block_length": 8, "steps": 8, "temperature": 1.0, **EXACT},
+        likelihood={"name": "mean_field", "prompt_mask_prob": 0.15},
+        algo={"advantage": "mean", "eps_low": 0.2, "eps_high": 0.2, "beta": 0.04},
         external={"name": "none"}, minibatch_size=4, inner_iterations=1),
     # ERILS: solver rows scored with the coupled estimator, a running baseline and capped importance weights;
     # the on-policy rows with the ELBO; two inner iterations of two minibatches; sequence aggregation.
     "external": dict(
-        rollout={"gen_length": 32, "block_length": 16, "steps": 16, "temperature": 1.0},
+        rollout={"gen_length": 32, "block_length": 16, "steps": 16, "temperature": 1.0, **EXACT},
         likelihood={"name": "elbo", "num_masks": 2}, algo={"advantage": "std", "beta": 0.0, "aggregation": "sequence"},
         external={"name": "solver"},
         mixing={"per_prompt": 1, "keep": "all", "statistic": "running", "correction": "is",

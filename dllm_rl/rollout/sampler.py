@@ -77,6 +77,7 @@ def check_sampler_settings(gen_length: int = 64, block_length: int = 32, steps: 
                                              threshold=threshold, factor=factor, random_first=random_first,
                                              cache=cache, cache_refresh=cache_refresh,
                                              temperature_floor=temperature_floor), key)
+    require(remasking in REMASKING, f"{key}.remasking must be one of {REMASKING}, got {remasking!r}")
     require(cache in CACHE_MODES, f"{key}.cache must be one of {CACHE_MODES}, got {cache!r}")
     require(cache_refresh >= 0, f"{key}.cache_refresh={cache_refresh}: expected >= 0 (0: at the start of every "
             f"block only; n: also every n steps inside a block; 1: every step, exact)")
@@ -93,13 +94,13 @@ def check_sampler_settings(gen_length: int = 64, block_length: int = 32, steps: 
             f"{key}.threshold and {key}.factor are two rules for parallel decoding; set one of them")
     require((threshold is None and factor is None) or remasking == "low_confidence",
             f"{key}.threshold / {key}.factor commit the most confident tokens: they need "
-            f"{key}.remasking=low_confidence, got {remasking!r}")
+            f"{key}.remasking=low_confidence, got {remasking!r} (or {key}.threshold=null {key}.factor=null: the "
+            f"fixed schedule)")
     require(gen_length % block_length == 0,
             f"gen_length={gen_length} must be a multiple of block_length={block_length}")
     num_blocks = gen_length // block_length
     require(steps % num_blocks == 0,
             f"steps={steps} must be divisible by the number of blocks gen_length/block_length={num_blocks}")
-    require(remasking in REMASKING, f"{key}.remasking must be one of {REMASKING}, got {remasking!r}")
     return num_blocks
 
 

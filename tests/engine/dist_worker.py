@@ -27,8 +27,9 @@ from dllm_rl.rollout.generate import TextGenerator
 # for a random share of the prompts after step 0, so ranks get unequal external rows; beta > 0 keeps a reference model
 # (partitioned at stage 3), synced at step 2 and saved with it.
 SETTINGS = dict(
-    rollout={"gen_length": 32, "block_length": 16, "steps": 16, "temperature": 1.0},
-    likelihood={"name": "mean_field"},
+    rollout={"gen_length": 32, "block_length": 16, "steps": 16, "temperature": 1.0, "threshold": None,
+             "random_first": False},  # the exact sampler, written out: the numbers are pinned
+    likelihood={"name": "mean_field", "prompt_mask_prob": 0.15},  # d1's, written out: the numbers are pinned
     algo={"advantage": "mean", "beta": 0.04},
     external={"name": "solver"},
     mixing={"per_prompt": 1, "trigger": "schedule", "decay_steps": 3, "keep": "all", "likelihood": None},

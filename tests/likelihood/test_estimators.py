@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from dllm_rl.errors import ConfigError
-from dllm_rl.likelihood.estimators import ESTIMATORS, antithetic_t, estimate_logp
+from dllm_rl.likelihood.estimators import ESTIMATORS, antithetic_t, build_estimator, estimate_logp
+from dllm_rl.train_config import GROUP_DEFAULTS
 
 
 def tiny_sequence(char_tokenizer, completion="12a", prompt="x+"):
@@ -105,9 +106,9 @@ def test_seeds_masks_and_prompt_handling(tiny_policy, char_tokenizer, name):
     assert torch.equal(a, b)  # same seeds, same estimate, bit for bit
     for x in spy.inputs:
         assert (x[:, 0] == char_tokenizer.pad_token_id).all()  # padding untouched
-        if name not in ("mean_field", "spg"):  # only d1's estimator and SPG mask prompt tokens (on purpose)
+        if name != "spg":  # only SPG perturbs prompt tokens by default (mean_field does at prompt_mask_prob > 0)
             assert (x[:, :P] == ids_NL[0, :P]).all()  # rows of ids_NL are identical here
-    if name in ("mean_field", "elbo", "coupled", "espo", "spg"):
+    if name in ("elbo", "coupled", "espo", "spg"):  # mean_field with a clean prompt draws nothing
         other = estimate_logp(name, tiny_policy, ids_NL, mask_NL, P, **{**kwargs, "seeds_N": [7, 8]})
         assert not torch.equal(a, other)
 
@@ -130,6 +131,12 @@ def test_mean_field_masks_the_prompt_at_the_given_rate(tiny_policy, char_tokeniz
     x = spy.inputs[0]
     assert (x[:, 25:] == 1).all()
     assert abs((x[:, :25] == 1).float().mean().item() - 0.15) < 0.01
+    # the default keeps the prompt clean (d1's 0.15 hides a Sudoku's givens from the gradient: docs/learning.md)
+    with torch.no_grad():
+        estimate_logp("mean_field", spy, ids, mask, 25, seeds_N=range(400))
+    assert (spy.inputs[-1][:, 25:] == 1).all() and torch.equal(spy.inputs[-1][:, :25], ids[:, :25])
+    assert build_estimator({"name": "mean_field"}).options == {} and \
+        build_estimator(dict(GROUP_DEFAULTS["likelihood"])).options == {"prompt_mask_prob": 0.0}
 
 
 def test_antithetic_times_are_stratified():
