@@ -247,7 +247,7 @@ def spg_bounds(logp_NMC: torch.Tensor, scored_NMC: torch.Tensor, counted_N: torc
 
 def spg(policy, ids_NL, attention_mask_NL, prompt_length: int, *, seeds_N, order_NC=None, adv_N=None,
         num_masks: int = 2, block_length: int = 32, beta: float = 1.5, omega: float = 0.5,
-        prompt_mask_prob: float = 0.15) -> torch.Tensor:
+        prompt_mask_prob: float = 0.0) -> torch.Tensor:
     """SPG, the sandwiched policy gradient (arXiv 2510.09541; github.com/facebookresearch/SPG, `spg_trainer.py`):
     a lower bound of log pi for rows with a positive advantage, whose likelihood the update raises, and for the
     others (whose likelihood it lowers) the mixture (Eq. 8) omega * EUBO + (1 - omega) * ELBO of an upper and a

@@ -106,8 +106,8 @@ def test_seeds_masks_and_prompt_handling(tiny_policy, char_tokenizer, name):
     assert torch.equal(a, b)  # same seeds, same estimate, bit for bit
     for x in spy.inputs:
         assert (x[:, 0] == char_tokenizer.pad_token_id).all()  # padding untouched
-        if name != "spg":  # only SPG perturbs prompt tokens by default (mean_field does at prompt_mask_prob > 0)
-            assert (x[:, :P] == ids_NL[0, :P]).all()  # rows of ids_NL are identical here
+        # no estimator perturbs the prompt by default (mean_field and spg do at prompt_mask_prob > 0)
+        assert (x[:, :P] == ids_NL[0, :P]).all()  # rows of ids_NL are identical here
     if name in ("elbo", "coupled", "espo", "spg"):  # mean_field with a clean prompt draws nothing
         other = estimate_logp(name, tiny_policy, ids_NL, mask_NL, P, **{**kwargs, "seeds_N": [7, 8]})
         assert not torch.equal(a, other)
