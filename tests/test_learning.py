@@ -1,0 +1,88 @@
+"""Learning is a tested property: on-policy GRPO raises the training reward of the embedded dLLM on a memorisable
+pool of Sudoku prompts, with every likelihood estimator that can, and ERILS (the default run) by the same margin.
+
+The pool is 8 Sudoku train prompts, every one in every step (8 prompts x 6 rollouts), sampled as the defaults do
+(confidence threshold 0.9, one random first commit; docs/learning.md). The measure is the mean on-policy training
+reward of the last `WINDOW` steps minus that of the first `WINDOW`; each run must raise it by `MARGIN`. What the
+margin means against noise: with the learning rate at 0 (1e-12: no update) the same runs move by -0.02 to -0.04,
+and with the update's sign flipped the reward falls by 0.12 to 0.23, so every test here fails on both
+(`python scripts/learning_check.py --variants normal,lr0,flipped --erils`, docs/learning_check.json). Precision is
+the default (`bf16=auto`): the margin, not the numbers, is pinned, so a CPU without native bf16 (fp32) runs the
+same tests.
+
+Left out, with its measured reason (docs/learning.md, and configs/likelihood/mean_field.yaml): `mean_field` with
+d1's prompt masking (`prompt_mask_prob=0.15`, `LEFT_OUT`): on Sudoku the prompt is the puzzle, and a gradient taken
+with a fifth of the givens hidden is nearly orthogonal to the exact one (cosine 0.04,
+`scripts/diagnose_learning.py`); its run here does not clear the margin. SPG runs with its prompt clean for the
+same reason (with its 0.15 perturbation its gradient's cosine is 0.05).
+"""
+
+import json
+
+import pytest
+
+from dllm_rl import cli
+from dllm_rl.data import build_task
+from dllm_rl.train import train
+
+pytestmark = pytest.mark.slow
+
+WINDOW = 5  # steps averaged at the start and at the end
+MARGIN = 0.10  # the least rise of the training reward a run must show
+
+POOL = dict(train_pool=8, prompts_per_step=8, group_size=6, minibatch_size=48, eval_every=0, checkpoint_every=0,
+            sample_every=0, tensorboard=False, seed=0, warmup=0, lr_schedule="constant", external={"name": "none"},
+            rollout={"threshold": 0.9, "random_first": True}, print_fn=lambda *_: None)
+
+# estimator -> (its settings, steps, learning rate); each at a sensible setting of its own, with the steps it needs
+# to clear the margin (10-16: the Monte-Carlo ELBOs, noisier, take longer; scripts/learning_check.py prints every
+# run's rise, docs/learning.md)
+ESTIMATORS = {
+    "mean_field": ({"likelihood": {"name": "mean_field"}}, 12, 1e-4),
+    "elbo": ({"likelihood": {"name": "elbo", "num_masks": 2, "masking": "fixed_count"}}, 16, 1e-4),
+    "coupled": ({"likelihood": {"name": "coupled"}}, 16, 1e-4),
+    "espo": ({"likelihood": {"name": "espo"}, "algo": {"kl": "k2", "advantage": "loo"}}, 16, 1e-4),
+    "ordered": ({"likelihood": {"name": "ordered", "group": 4}}, 10, 1e-4),
+    "left_to_right": ({"likelihood": {"name": "left_to_right", "group": 16}}, 12, 1e-4),
+    "spg": ({"likelihood": {"name": "spg"}, "algo": {"objective": "pg"}}, 16, 1e-4),
+}
+# what cannot pass at a sensible setting, run by scripts/learning_check.py (not by the tests) to show it still fails
+LEFT_OUT = {
+    "mean_field_d1": ({"likelihood": {"name": "mean_field", "prompt_mask_prob": 0.15}}, 16, 1e-4),
+}
+ERILS_ESTIMATOR = "mean_field"  # the estimator of ERILS's test run: the default
+
+
+def rewards(run_dir) -> list[float]:
+    return [row["reward/on_policy"] for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if "reward/on_policy" in row]
+
+
+def rise(values: list[float]) -> float:
+    return sum(values[-WINDOW:]) / WINDOW - sum(values[:WINDOW]) / WINDOW
+
+
+def defaults() -> dict:
+    cfg = cli.to_plain(cli.compose_config("train", []))
+    cfg.pop("task")
+    return cfg
+
+
+def run(tmp_path, name: str, **options) -> list[float]:
+    train(build_task("sudoku"), **{**defaults(), **POOL, "run_dir": str(tmp_path / name), **options})
+    return rewards(tmp_path / name)
+
+
+@pytest.mark.parametrize("estimator", list(ESTIMATORS))
+def test_on_policy_grpo_raises_the_training_reward(tmp_path, estimator):
+    settings, steps, lr = ESTIMATORS[estimator]
+    values = run(tmp_path, estimator, steps=steps, lr=lr, **settings)
+    assert rise(values) >= MARGIN, f"{estimator}: training reward {values}"
+
+
+def test_erils_raises_it_too(tmp_path):
+    """The default run with the solver's verified rows added (ERILS): its on-policy training reward rises by the
+    margin as well."""
+    settings, steps, lr = ESTIMATORS[ERILS_ESTIMATOR]
+    values = run(tmp_path, "erils", steps=steps, lr=lr, **settings, external={"name": "solver"})
+    assert rise(values) >= MARGIN, f"ERILS: training reward {values}"
