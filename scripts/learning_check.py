@@ -55,7 +55,7 @@ def one(name: str, variant: str, external: bool, workdir: Path, bf16: str) -> di
         options["external"] = {"name": "solver"}
     start = time.perf_counter()
     with flipped_sign() if variant == "flipped" else contextlib.nullcontext():
-        values = spec.run(workdir, f"{name}-{variant}-{'erils' if external else 'grpo'}", **options)
+        values = spec.run_here(workdir, f"{name}-{variant}-{'erils' if external else 'grpo'}", **options)
     return {"estimator": name, "variant": variant, "source": "erils" if external else "grpo", "bf16": bf16,
             "steps": steps, "lr": lr,
             "rise": spec.rise(values), "passes": spec.rise(values) >= spec.MARGIN, "rewards": values,
