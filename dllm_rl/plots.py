@@ -48,13 +48,17 @@ def reward_figure(runs: list[dict], smooth: int = 5):
         for source, curve in analysis.reward_by_source(run, smooth).items():
             ax.plot(curve.index, curve.values, label=f"{run['name']} / {source}", alpha=0.85,
                     linestyle=LINESTYLES.get(source, ":"), markevery=_markevery(len(curve)), **styles[run["name"]])
-            raw = analysis.series(run, f"reward/{source}")
-            se = (raw.rolling(smooth, min_periods=2).std() / raw.rolling(smooth, min_periods=1).count() ** 0.5
-                  ).fillna(0.0)
+            se = rolling_se(analysis.series(run, f"reward/{source}"), smooth)
             ax.fill_between(curve.index, curve - se, curve + se, color=styles[run["name"]]["color"], alpha=0.12)
     ax.set_ylim(bottom=min(0.0, ax.get_ylim()[0]))
     _finish(ax, f"reward (rolling mean of {smooth}, ± s.e.)")
     return fig
+
+
+def rolling_se(values, window: int):
+    """The standard error of each rolling mean over `window` steps (0 where it holds one value)."""
+    return (values.rolling(window, min_periods=2).std() / values.rolling(window, min_periods=1).count() ** 0.5
+            ).fillna(0.0)
 
 
 def pass1_errors(run: dict, table) -> list[float]:
@@ -141,9 +145,7 @@ def compare_figure(runs: list[dict], labels: list[str], window: int = 5):
         name = f"{label} / seed {seed}"
         reward = analysis.series(run, "reward/on_policy")
         if len(reward):
-            mean = reward.rolling(window, min_periods=1).mean()
-            se = (reward.rolling(window, min_periods=2).std() / reward.rolling(window, min_periods=1).count() ** 0.5
-                  ).fillna(0.0)
+            mean, se = reward.rolling(window, min_periods=1).mean(), rolling_se(reward, window)
             left.plot(mean.index, mean.values, label=name, **style)
             left.fill_between(mean.index, mean - se, mean + se, color=style["color"], alpha=0.15)
         table = analysis.eval_table(run)
