@@ -69,8 +69,7 @@ class Learner:
             # cpu: the minibatch plan is the same on every device (see dllm_rl/device.py)
             shuffle = torch.Generator(device="cpu").manual_seed(derive_seed(self.seed, "minibatch", batch.step, it))
             for picks in self.dp.minibatch_plan(parts, self.minibatch_mix, shuffle):
-                units = self.dp.total(sum(aggregation_units(*unit_inputs(part, rows, aggregation))
-                                          for part, rows in zip(parts, picks)))
+                units = self.dp.total(minibatch_units(parts, picks, aggregation))
                 pieces = self.dp.pieces(parts, picks, self.micro_rows, self.micro_forwards)
                 measured: list[tuple[dict[str, float], float, float]] = []
                 makers = [functools.partial(self.piece_loss, parts, piece, it, units, measured) for piece in pieces]
@@ -91,24 +90,36 @@ class Learner:
         straight into its forward and backward passes while the next is still generating; one optimizer step
         when the last is in. The loss is the synchronous update's: each pass's sum over its units, the
         accumulated gradient divided by the step's units once they are known (`Engine.stream_update`), so the
-        update equals `update`'s up to float rounding (tested). A group without signal makes no pass. Returns the
-        update's metrics and the groups, prepared and trained on."""
+        update equals `update`'s up to float rounding (tested). Every row counts towards the units, as in
+        `update` (`minibatch_units`). A group without signal makes no pass when beta = 0 (its gradient is zero);
+        with beta > 0 its passes carry the KL term, and they are made once a group with signal has arrived (a
+        step without signal makes no update, as in `update`). Returns the update's metrics and the groups,
+        prepared and trained on."""
         aggregation = self.loss_options.get("aggregation", "token")
+        with_kl = self.loss_options.get("beta", 0.0) > 0
         seen: list[StepBatch] = []
         measured: list[tuple[dict[str, float], float, float]] = []
         units = [0.0]
 
         def makers():
+            held: list[Callable[[], torch.Tensor]] = []  # flat groups' KL passes, until a group with signal
+            signal = False
             for group in groups:
                 prepare(group)
                 seen.append(group)
                 parts = list(group.rows.values())
-                if not any(bool(has_signal(p).any()) for p in parts):
-                    continue
                 picks = [torch.arange(len(p)) for p in parts]  # cpu: row indices, as the minibatch plan's
-                units[0] += sum(aggregation_units(*unit_inputs(p, rows, aggregation)) for p, rows in zip(parts, picks))
-                for piece in self.dp.pieces(parts, picks, self.micro_rows, self.micro_forwards):
-                    yield functools.partial(self.piece_loss, parts, piece, 0, 1.0, measured)
+                units[0] += minibatch_units(parts, picks, aggregation)
+                flat = not any(bool(has_signal(p).any()) for p in parts)
+                if flat and not with_kl:
+                    continue
+                passes = [functools.partial(self.piece_loss, parts, piece, 0, 1.0, measured)
+                          for piece in self.dp.pieces(parts, picks, self.micro_rows, self.micro_forwards)]
+                held.extend(passes)
+                signal = signal or not flat
+                if signal:
+                    yield from held
+                    held.clear()
 
         update = self.engine.stream_update(makers(), scale=lambda: 1.0 / max(units[0], 1.0))
         losses = []
@@ -217,6 +228,12 @@ def level_mask_and_weights(part: Rows, rows: torch.Tensor) -> tuple[torch.Tensor
     mask = part.mask_NC[rows] if part.estimator.level == "token" else torch.ones_like(part.mask_NC[rows, :1])
     weights = part.weight_N[rows] if part.weight_N is not None else torch.ones(len(rows), device=mask.device)
     return mask, weights
+
+
+def minibatch_units(parts: list[Rows], picks: list[torch.Tensor], aggregation: str) -> float:
+    """The loss normaliser of `picks` rows of `parts` on this rank (sum it over ranks): every row counts, with
+    or without signal, so the synchronous and the streamed update divide by the same number."""
+    return sum(aggregation_units(*unit_inputs(part, rows, aggregation)) for part, rows in zip(parts, picks))
 
 
 def unit_inputs(part: Rows, rows: torch.Tensor, aggregation: str) -> tuple[torch.Tensor, str, torch.Tensor]:

@@ -4,6 +4,7 @@ process one at a time (the Ray workers' stream is tested in test_remote_training
 update alone: the same rollouts, the same weights after two steps, the same metrics."""
 
 import json
+import zlib
 
 import pytest
 import torch
@@ -64,6 +65,41 @@ def test_a_piped_step_equals_the_synchronous_update(extra, saved_model, tmp_path
     if "external" in extra:
         assert [m["external/rows"] for m in ours] == [m["external/rows"] for m in theirs]
     assert all(m["rollout/learner_wait_s"] == 0.0 and m["perf/update_s"] > 0 for m in theirs)
+
+
+class HalfFlat(DigitShare):
+    """DigitShare, but about half the prompts score 0.5 whatever is written: their groups are flat (no signal)."""
+
+    name = "half_flat"
+
+    def reward(self, completion: str, ex):
+        from dllm_rl.data.task import Reward
+
+        if zlib.crc32(ex.uid.encode()) % 2:
+            return Reward(0.5, True, False, "ok")
+        return super().reward(completion, ex)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.05])
+def test_a_piped_step_with_a_flat_group_equals_the_synchronous_update(beta, saved_model, tmp_path, monkeypatch):
+    """A flat group's rows count towards the step's normaliser on both paths, and with beta > 0 its KL term is
+    trained on both: the streamed gradient is the synchronous one, not scaled up by the share of flat rows."""
+    options = dict(SMALL, model=saved_model, steps=2, checkpoint_every=2, bf16=False, lr=1e-4, seed=1,
+                   algo={**SMALL["algo"], "beta": beta})
+    options["minibatch_size"] = options["prompts_per_step"] * options["group_size"]
+    local, piped = tmp_path / "local", tmp_path / "piped"
+    train(HalfFlat(), run_dir=str(local), **options)
+    monkeypatch.setattr("dllm_rl.run_setup.remote_collect",
+                        lambda cfg, workers, task, learned, rollouts, prompts, collect, state:
+                        GroupsOneByOne(prompts, rollouts, task, cfg.group_size))
+    train(HalfFlat(), run_dir=str(piped), workers={"count": 1, "pipe": True}, **options)
+    ours, theirs = metrics_of(local), metrics_of(piped)
+    assert [m["reward/zero_std_groups"] for m in ours] == [0.5, 0.5]  # one flat group, one with signal, per step
+    a, b = weights(latest_checkpoint(local)), weights(latest_checkpoint(piped))
+    assert all(torch.allclose(a[k], b[k], rtol=0, atol=2e-5) for k in a)
+    for key in ("loss/policy", "loss/kl", "policy/grad_norm"):
+        assert [m[key] for m in ours] == pytest.approx([m[key] for m in theirs], rel=1e-4, abs=1e-7), key
+    assert (ours[-1]["loss/kl"] > 0) == (beta > 0)  # the policy has moved from the reference after one update
 
 
 def test_pipe_refuses_what_is_not_local_to_a_group_by_name(saved_model, tmp_path):
