@@ -11,12 +11,38 @@ from dllm_rl.data.task import Example, Task
 
 @dataclass(frozen=True)
 class ExternalRollout:
-    """One external completion of the step's prompt number `prompt_index`."""
+    """One external completion of the step's prompt number `prompt_index`. `behaviour_logp` is log mu(text | x),
+    where the source knows it; `token_logps`, where the source gives per-token values, holds each of its tokens as
+    (the character offset in `text` where the token ends, its log-prob), so a cut text has a log-prob too
+    (`prefix_logp`)."""
 
     prompt_index: int
     text: str
     source: str
     behaviour_logp: float | None = None
+    token_logps: tuple[tuple[int, float], ...] | None = None
+
+
+def token_ends(pieces: Sequence[str]) -> list[int]:
+    """The character offset where each of a text's consecutive pieces ends."""
+    ends, at = [], 0
+    for piece in pieces:
+        at += len(piece)
+        ends.append(at)
+    return ends
+
+
+def prefix_logp(rollout: ExternalRollout, kept: str) -> float | None:
+    """log mu of `kept`, a cut of `rollout.text` (length control's `truncate`): the whole text's log-prob if
+    nothing was cut; 0 for a deterministic source (log mu = 0 for the whole text, so for every prefix of it); else
+    the sum over the source's tokens that end inside `kept` (a token the cut splits is left out, so the estimate is
+    log mu of the longest token prefix, never below log mu(kept): the importance weight is not inflated). None
+    when that cannot be known: no per-token values, or `kept` is not a prefix of the text."""
+    if kept == rollout.text or rollout.behaviour_logp == 0.0:
+        return rollout.behaviour_logp
+    if rollout.token_logps is None or not rollout.text.startswith(kept):
+        return None
+    return sum(logp for end, logp in rollout.token_logps if end <= len(kept))
 
 
 class ExternalSource(Protocol):

@@ -13,6 +13,8 @@ tokens weigh what a token-level row's tokens weigh.
 
 from __future__ import annotations
 
+import math
+
 import warnings
 import dataclasses
 from dataclasses import dataclass, field
@@ -24,6 +26,7 @@ from dllm_rl.algo import mixing
 from dllm_rl.buffer import MINIBATCH_MIXES, Rows
 from dllm_rl.data.task import Example, Task
 from dllm_rl.errors import ConfigError, check_kwargs, check_ranges, check_types, pick, require
+from dllm_rl.external.base import prefix_logp
 from dllm_rl.external.bridge import LENGTH_RULES, bridge, control_length, select, window_row
 from dllm_rl.external.sources import ExternalSource, build_source
 from dllm_rl.likelihood.estimators import Estimator, build_estimator
@@ -110,6 +113,11 @@ class ExternalMixer:
                 f"mixing.correction=is needs each external rollout's behaviour log-prob; the {source.name} source "
                 f"at {getattr(source, 'base_url', '?')} returns none (transformers serve gives none; vLLM and SGLang "
                 f"do): choose mixing.correction=none or shaping")
+        require(not (config.correction == "is" and config.length_rule == "truncate"
+                     and getattr(source, "prefix_logps", True) is False),
+                f"mixing.length_rule=truncate with mixing.correction=is needs the log-prob of the kept part of a cut "
+                f"rollout; the {source.name} source gives one log-prob per whole rollout: choose mixing.length_rule="
+                f"drop or shortest, or mixing.correction=none")
         self.baseline = 0.0  # running mean of external rewards (statistic=running); saved with checkpoints
         self.warned: set[str] = set()
 
@@ -156,7 +164,8 @@ class ExternalMixer:
         got = self.source.rollouts(task, [examples[b] for b in chosen], asked, seeds) if chosen else []
 
         kept: list[tuple[int, Any, Any, float | None]] = []  # (prompt, bridged, reward, behaviour logp)
-        counts = {"candidates": 0, "too_long": 0, "truncated": 0, "unrepresentable": 0, "incorrect": 0}
+        counts = {"candidates": 0, "too_long": 0, "truncated": 0, "unrepresentable": 0, "incorrect": 0,
+                  "no_prefix_logp": 0, "bad_logp": 0}
         source_lengths: list[int] = []
         for b, rollouts in zip(chosen, got):
             counts["candidates"] += len(rollouts)
@@ -170,7 +179,7 @@ class ExternalMixer:
                         warnings.warn(f"external rollout dropped: the dLLM tokenizer cannot represent {item.lost!r} "
                                       f"(text {r.text[:60]!r})")
                     continue
-                bridged.append((item, r.behaviour_logp))
+                bridged.append((item, r))
                 source_lengths.append(len(item.ids))
             survivors, n = control_length([item for item, _ in bridged], lambda text: task.reward(text, examples[b]),
                                           rule=c.length_rule, window=window, tokenizer=tokenizer)
@@ -180,7 +189,15 @@ class ExternalMixer:
             counts["incorrect"] += len(survivors) - len(ok)
             for j in select([len(item.ids) for _, item, _ in ok], c.per_prompt, c.length_rule):
                 k, item, rw = ok[j]
-                kept.append((b, item, rw, bridged[k][1]))
+                # a cut rollout's behaviour log-prob is its kept part's, not the whole text's
+                logp = prefix_logp(bridged[k][1], item.text) if item.truncated else bridged[k][1].behaviour_logp
+                if logp is None and item.truncated and c.correction == "is":
+                    counts["no_prefix_logp"] += 1  # the source's tokens do not spell the text: no weight for it
+                    continue
+                if logp is not None and not (math.isfinite(logp) and logp <= 0):
+                    counts["bad_logp"] += 1  # a source's bad number costs its row, not the step's update
+                    continue
+                kept.append((b, item, rw, logp))
 
         metrics = {f"external/{k}": float(v) for k, v in counts.items()}
         if chosen and hasattr(self.source, "step_metrics"):

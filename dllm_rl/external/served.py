@@ -33,15 +33,18 @@ the config, a log line or a checkpoint.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Callable
 
 from dllm_rl.errors import ConfigError, RunStopped, check_ranges, pick, require
-from dllm_rl.external.base import ExternalRollout
+from dllm_rl.external.base import ExternalRollout, token_ends
 
 APIS = ("completions", "chat")
 PROBE_PROMPT = "Hello"
@@ -49,6 +52,22 @@ PROBE_PROMPT = "Hello"
 
 class ServerRefused(RunStopped):
     """The server answered a request with an HTTP 4xx other than 408/429: a retry cannot fix it."""
+
+
+LOGP_SLACK = 1e-4  # a served log-prob above 0 by less than this is rounding; above it, or NaN, the reply is malformed
+
+
+class Loose(SimpleNamespace):
+    """A reply's JSON object as attributes; a field the server left out is None (as the client's models have it)."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
+
+
+class TooSlow(Exception):
+    """A reply still arriving at its deadline."""
 
 
 class Malformed(ValueError):
@@ -65,6 +84,7 @@ class Reply:
     seconds: float
     retries: int
     error: str | None = None
+    token_logps: tuple[tuple[int, float], ...] | None = None  # ExternalRollout's: (end offset, log-prob) per token
 
 
 class OpenAISource:
@@ -97,7 +117,7 @@ class OpenAISource:
             require(bool(key), f"external.api_key_env={api_key_env!r}: that environment variable is not set or "
                     f"empty (the API key is read from it, never from the config)")
         self.client = openai.OpenAI(base_url=base_url, api_key=key, timeout=timeout, max_retries=0)
-        self.base_url, self.model, self.api = base_url, model, api
+        self.base_url, self.model, self.api, self.timeout = base_url, model, api, timeout
         self.sampling = {"temperature": temperature, "top_p": top_p, "max_tokens": max_new_tokens,
                          **({"stop": list(stop)} if stop else {})}
         self.retries, self.backoff, self.max_failed_steps = retries, backoff, max_failed_steps
@@ -154,6 +174,8 @@ class OpenAISource:
                     raise ServerRefused(f"the server refused the request ({error})") from None
             except openai.APIConnectionError as lost:  # refused, reset, or the timeout (APITimeoutError)
                 error = f"{type(lost).__name__}: {lost}"
+            except TooSlow as slow:
+                error = f"TooSlow: {slow}"
             except (openai.APIResponseValidationError, Malformed, ValueError, TypeError, AttributeError,
                     IndexError) as garbage:
                 error = f"malformed reply ({type(garbage).__name__}: {str(garbage)[:200]})"
@@ -167,27 +189,53 @@ class OpenAISource:
         seconds = time.perf_counter() - started
         if result is None:
             return Reply(None, None, None, seconds, retries, error)
-        return Reply(*result, seconds, retries)
+        text, logp, finish, token_logps = result
+        return Reply(text, logp, finish, seconds, retries, token_logps=token_logps)
 
-    def create(self, prompt: str, sampling: dict) -> tuple[str, float | None, str | None]:
-        """(text, the sum of the sampled tokens' log-probs or None, finish reason) of one request."""
+    def create(self, prompt: str, sampling: dict
+               ) -> tuple[str, float | None, str | None, tuple[tuple[int, float], ...] | None]:
+        """(text, the sum of the sampled tokens' log-probs or None, finish reason, each token's (end offset,
+        log-prob) where the tokens spell the text) of one request."""
         if self.api == "chat":
             messages = [{"role": "user", "content": prompt}]
-            reply = self.client.chat.completions.create(model=self.model, messages=messages, logprobs=True,
-                                                        top_logprobs=0, **sampling)
+            reply = self.post(self.client.chat.completions, model=self.model, messages=messages, logprobs=True,
+                              top_logprobs=0, **sampling)
             choice = first_choice(reply)
             text = choice.message.content if choice.message is not None else None
             tokens = getattr(choice.logprobs, "content", None)
             logps = None if not tokens else [t.logprob for t in tokens]
+            pieces = None if not tokens else [getattr(t, "token", None) for t in tokens]
         else:
-            reply = self.client.completions.create(model=self.model, prompt=prompt, logprobs=0, **sampling)
+            reply = self.post(self.client.completions, model=self.model, prompt=prompt, logprobs=0, **sampling)
             choice = first_choice(reply)
             text = choice.text
             logps = getattr(choice.logprobs, "token_logprobs", None)
+            pieces = getattr(choice.logprobs, "tokens", None)
         if text is not None and not isinstance(text, str):
             raise Malformed(f"completion text of type {type(text).__name__}")
         numbers = logps is not None and len(logps) > 0 and all(isinstance(x, (int, float)) for x in logps)
-        return text or "", float(sum(logps)) if numbers else None, choice.finish_reason
+        if numbers and not all(math.isfinite(x) and x <= LOGP_SLACK for x in logps):
+            bad = next(x for x in logps if not (math.isfinite(x) and x <= LOGP_SLACK))
+            raise Malformed(f"token log-prob {bad!r} is not a log-probability (finite, <= 0)")
+        spelled = (numbers and isinstance(pieces, list) and len(pieces) == len(logps)
+                   and all(isinstance(p, str) for p in pieces) and "".join(pieces) == (text or ""))
+        per_token = tuple(zip(token_ends(pieces), map(float, logps))) if spelled else None
+        return text or "", float(sum(logps)) if numbers else None, choice.finish_reason, per_token
+
+    def post(self, resource, **request) -> Any:
+        """One request's reply, read within `timeout` of its start: the client's own timeout bounds only each wait
+        for bytes, so a server that answers 200 and then sends a byte now and then would hold the request for as
+        long as it likes. The body is read as it arrives and the attempt given up (`TooSlow`, retried as a stall)
+        once past its deadline; the JSON becomes attribute objects (`Loose`)."""
+        deadline = time.monotonic() + self.timeout
+        body = bytearray()
+        with resource.with_streaming_response.create(**request) as response:
+            for chunk in response.iter_bytes():
+                body += chunk
+                if time.monotonic() > deadline:
+                    raise TooSlow(f"no whole reply within external.timeout={self.timeout:g}s ({len(body)} bytes "
+                                  f"came)")
+        return json.loads(bytes(body), object_hook=lambda fields: Loose(**fields))
 
     # ------------------------------------------------------------------------------------ the source protocol
 
@@ -223,7 +271,7 @@ class OpenAISource:
         replies = [[f.result() for f in row] for row in futures]
         flat = [r for row in replies for r in row]
         self.account(flat, time.perf_counter() - started, reused)
-        return [[ExternalRollout(i, r.text, self.name, r.logp) for r in row if r.text]
+        return [[ExternalRollout(i, r.text, self.name, r.logp, r.token_logps) for r in row if r.text]
                 for i, row in enumerate(replies)]
 
     def account(self, replies: list[Reply], waited: float, reused: int) -> None:

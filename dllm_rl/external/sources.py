@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 import torch
 
 from dllm_rl.data.task import Example, Solution, Task, render_completion, render_prompt
-from dllm_rl.external.base import ExternalRollout, ExternalSource
+from dllm_rl.external.base import ExternalRollout, ExternalSource, token_ends
 from dllm_rl.external.served import OpenAISource
 from dllm_rl.errors import ConfigError, check_kwargs, check_ranges, check_types, pick, require
 from dllm_rl.rollout.sampler import first_eos
@@ -81,9 +81,11 @@ class CausalLMSource:
             samples = self.sample(prompts, [seeds[i][j] for i, j in batch], [examples[i].uid for i, _ in batch])
             ends = first_eos(samples.completion_BC, eos_id).tolist()
             for (i, _), row_C, prob_C, end in zip(batch, samples.completion_BC.tolist(), samples.confidence_BC, ends):
-                logp = float(prob_C[: end + 1].double().log().sum())  # the EOS (if any) is a sampled token too
+                logp_C = prob_C[: end + 1].double().log()
+                logp = float(logp_C.sum())  # the EOS (if any) is a sampled token too
                 text = tokenizer.decode(row_C[:end], skip_special_tokens=True)
-                out[i].append(ExternalRollout(i, text, self.name, logp))
+                out[i].append(ExternalRollout(i, text, self.name, logp, per_token(tokenizer, row_C[:end], text,
+                                                                                   logp_C[:end].tolist())))
         return out
 
     def sample(self, prompts: list[str], seeds: list[int], uids: list[str]):
@@ -106,12 +108,20 @@ class CausalLMSource:
         return self.stats.metrics() if self.draft_tokens else {}
 
 
+def per_token(tokenizer, ids: list[int], text: str, logps: list[float]) -> tuple[tuple[int, float], ...] | None:
+    """`ExternalRollout.token_logps` of a completion decoded to `text`: where its tokens decoded one by one spell
+    the text (byte-level BPE tokenizers, Qwen's), each token's end offset and log-prob; else None."""
+    pieces = [tokenizer.decode([i], skip_special_tokens=True) for i in ids]
+    return tuple(zip(token_ends(pieces), logps)) if "".join(pieces) == text else None
+
+
 class JsonlSource:
     """Precomputed rollouts: one JSON object per line with `uid` (the example's key, as `dllm-rl eval` writes
     it in samples.jsonl), `completion`, and optionally `behaviour_logp`. A prompt with more stored rollouts
     than asked for gets a seeded choice of them; one with none gets none."""
 
     name = "jsonl"
+    prefix_logps = False  # one log-prob per stored rollout: a cut one has none (mixing.length_rule=truncate with is)
 
     def __init__(self, path: str):
         file = Path(path).expanduser()

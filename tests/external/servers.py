@@ -19,14 +19,17 @@ TINY_AR = ROOT / "models" / "tiny-ar"
 
 class Hostile:
     """An OpenAI-compatible stand-in serving `model`; `mode` says how it answers completions from now on:
-    ok | error500 | stall | garbage | truncated | no_choices | empty | unauthorized. `fail_first` answers that
-    many completion requests with HTTP 500 before following `mode`; `logprobs` (a list) makes it return them.
+    ok | error500 | stall | drip | garbage | truncated | no_choices | empty | unauthorized (`drip`: a 200 whose
+    body comes one byte every `drip_s`). `fail_first` answers that many completion requests with HTTP 500 before
+    following `mode`; `logprobs` (a list) makes it return them, with `tokens` as the token strings (else t0, t1...).
     It counts the completion requests and keeps their Authorization headers (`keys`)."""
 
     def __init__(self, model: str = "stub", text: str = "<answer>0</answer>", stall_s: float = 5.0):
         self.model, self.text, self.stall_s = model, text, stall_s
         self.mode, self.fail_first, self.requests, self.keys = "ok", 0, 0, []
         self.logprobs: list[float] | None = None
+        self.tokens: list[str] | None = None
+        self.drip_s = 0.5
         self.lock = threading.Lock()
         owner = self
 
@@ -65,18 +68,24 @@ class Hostile:
                 if mode == "no_choices":
                     return self.send(200, {"id": "c", "object": "text_completion", "choices": []})
                 chat = self.path.rstrip("/").endswith("/chat/completions")
+                if mode == "drip":
+                    return self.raw(200, json.dumps(owner.reply(owner.text, chat)).encode(), drip_s=owner.drip_s)
                 self.send(200, owner.reply("" if mode == "empty" else owner.text, chat))
 
             def send(self, status, obj):
                 self.raw(status, json.dumps(obj).encode())
 
-            def raw(self, status, data):
+            def raw(self, status, data, drip_s=0.0):
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 try:
-                    self.wfile.write(data)
+                    for k in range(len(data)) if drip_s else []:
+                        self.wfile.write(data[k:k + 1])
+                        self.wfile.flush()
+                        time.sleep(drip_s)
+                    self.wfile.write(b"" if drip_s else data)
                 except OSError:  # the client gave up (a stalled request past its timeout)
                     pass
 
@@ -90,13 +99,14 @@ class Hostile:
         """A completion as `transformers serve` writes it (`logprobs: null`), or with `self.logprobs` (per-token
         log-probs) as vLLM writes them."""
         lps = self.logprobs
+        names = self.tokens or [f"t{k}" for k in range(len(lps or []))]
         if chat:
-            logprobs = None if lps is None else {"content": [{"token": f"t{k}", "logprob": lp, "bytes": None,
+            logprobs = None if lps is None else {"content": [{"token": names[k], "logprob": lp, "bytes": None,
                                                               "top_logprobs": []} for k, lp in enumerate(lps)]}
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop",
                       "logprobs": logprobs}
         else:
-            logprobs = None if lps is None else {"tokens": [f"t{k}" for k in range(len(lps))], "token_logprobs": lps,
+            logprobs = None if lps is None else {"tokens": names, "token_logprobs": lps,
                                                  "top_logprobs": None, "text_offset": list(range(len(lps)))}
             choice = {"index": 0, "text": text, "finish_reason": "stop", "logprobs": logprobs}
         return {"id": "c", "object": "chat.completion" if chat else "text_completion", "created": 0,

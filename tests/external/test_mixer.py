@@ -107,6 +107,83 @@ def test_drop_keeps_overlong_rollouts_out_and_truncate_rescores(char_tokenizer):
     assert rows.ids_NL.shape[1] - rows.prompt_length == len(templates[0].format(answer="x" * 16)) + 7
 
 
+@dataclass
+class PerTokenSource(FixedSource):
+    """A FixedSource whose rollouts carry per-token log-probs, one character per token (-0.1 each), as a served
+    model's do; `per_token=False` gives only the whole text's sum."""
+
+    per_token: bool = True
+
+    def rollouts(self, task, examples, count, seeds):
+        out = []
+        for i, ex in enumerate(examples):
+            texts = [t.format(answer=ex.answer) for t in self.templates[:count]]
+            out.append([ExternalRollout(i, t, self.name, -0.1 * len(t),
+                                        tuple((k + 1, -0.1) for k in range(len(t))) if self.per_token else None)
+                        for t in texts])
+        return out
+
+
+def test_a_truncated_rollout_keeps_the_log_prob_of_the_text_it_kept(char_tokenizer):
+    """With length_rule=truncate and correction=is, a cut row's behaviour log-prob is its 40 kept characters'
+    (-4.0), not the whole text's (which would inflate its weight by 1/mu(cut part | kept part)); a whole row keeps
+    its own; a source with no per-token values loses its cut rows (counted), and a JSONL source is refused."""
+    examples = SUDOKU.examples("train", 2, 0)
+    templates = ("reasoning " * 5 + "<answer>{answer}</answer>", "<answer>{answer}</answer>")
+    whole = [len(t.format(answer=examples[0].answer)) for t in templates]
+    assert whole[0] > 40 >= whole[1]
+    config = MixingConfig(per_prompt=2, keep="all", length_rule="truncate", correction="is")
+    rows, metrics = step_rows(ExternalMixer(PerTokenSource(templates), config, MEAN_FIELD), char_tokenizer,
+                              torch.zeros(2, 2, dtype=torch.bool), examples)
+    assert metrics["external/truncated"] == 2 and metrics["external/no_prefix_logp"] == 0
+    assert rows.behaviour_logp_N.tolist() == pytest.approx([-4.0, -0.1 * whole[1]] * 2)
+
+    rows, metrics = step_rows(ExternalMixer(PerTokenSource(templates, per_token=False), config, MEAN_FIELD),
+                              char_tokenizer, torch.zeros(2, 2, dtype=torch.bool), examples)
+    assert metrics["external/no_prefix_logp"] == 2 and len(rows) == 2
+    assert rows.behaviour_logp_N.tolist() == pytest.approx([-0.1 * whole[1]] * 2)
+
+    plain = MixingConfig(per_prompt=2, keep="all", length_rule="truncate")  # no weights: nothing needs it
+    rows, metrics = step_rows(ExternalMixer(PerTokenSource(templates, per_token=False), plain, MEAN_FIELD),
+                              char_tokenizer, torch.zeros(2, 2, dtype=torch.bool), examples)
+    assert len(rows) == 4 and metrics["external/no_prefix_logp"] == 0
+
+
+def test_a_row_with_a_non_finite_behaviour_log_prob_is_dropped_and_counted(char_tokenizer):
+    @dataclass
+    class NaNSource(FixedSource):
+        def rollouts(self, task, examples, count, seeds):
+            return [[ExternalRollout(i, f"<answer>{ex.answer}</answer>", self.name, logp)
+                     for logp in (float("nan"), -1.0)] for i, ex in enumerate(examples)]
+
+    examples = SUDOKU.examples("train", 2, 0)
+    mixer = ExternalMixer(NaNSource(()), MixingConfig(per_prompt=2, correction="is"), MEAN_FIELD)
+    rows, metrics = step_rows(mixer, char_tokenizer, torch.zeros(2, 2, dtype=torch.bool), examples)
+    assert metrics["external/bad_logp"] == 2 and rows.behaviour_logp_N.tolist() == [-1.0, -1.0]
+
+
+def test_truncate_with_is_refuses_a_source_of_whole_text_log_probs_by_name(tmp_path):
+    from dllm_rl.external.sources import JsonlSource
+
+    file = tmp_path / "rollouts.jsonl"
+    file.write_text(json.dumps({"uid": "a", "completion": "x", "behaviour_logp": -1.0}) + "\n")
+    with pytest.raises(ConfigError, match="mixing.length_rule=truncate with mixing.correction=is .* jsonl source"):
+        ExternalMixer(JsonlSource(str(file)), MixingConfig(length_rule="truncate", correction="is"), MEAN_FIELD)
+    ExternalMixer(JsonlSource(str(file)), MixingConfig(length_rule="drop", correction="is"), MEAN_FIELD)
+
+
+def test_prefix_logp_sums_the_tokens_inside_the_kept_text():
+    from dllm_rl.external.base import prefix_logp
+
+    rollout = ExternalRollout(0, "abcdef", "s", -6.0, ((2, -1.0), (3, -2.0), (6, -3.0)))  # "ab" "c" "def"
+    assert prefix_logp(rollout, "abcdef") == -6.0
+    assert prefix_logp(rollout, "abc") == -3.0
+    assert prefix_logp(rollout, "abcd") == -3.0  # "def" is split by the cut: left out (mu is not made smaller)
+    assert prefix_logp(rollout, "abx") is None  # not a prefix of what the source wrote
+    assert prefix_logp(ExternalRollout(0, "abcdef", "solver", 0.0), "ab") == 0.0  # deterministic: every prefix too
+    assert prefix_logp(ExternalRollout(0, "abcdef", "s", -6.0), "ab") is None
+
+
 def test_uncontrolled_rollouts_beyond_the_context_are_a_clear_error(char_tokenizer):
     examples = SUDOKU.examples("train", 1, 0)
     mixer = ExternalMixer(FixedSource(("x" * 200 + "<answer>{answer}</answer>",)),

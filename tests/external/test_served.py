@@ -223,6 +223,48 @@ def test_returned_log_probs_become_the_behaviour_log_prob_and_the_key_is_sent(ho
     assert hostile.keys and all(key == f"Bearer {SECRET}" for key in hostile.keys)
 
 
+def test_a_reply_that_drips_in_is_given_up_at_its_deadline(hostile):
+    """A 200 whose body comes one byte every 0.2 s (hours for a whole reply): each attempt is given up at
+    `timeout` after its start, not kept alive by every byte resetting the client's read timeout."""
+    task = DigitShare()
+    source = stub_source(hostile, timeout=1.0, retries=1)
+    try:
+        hostile.mode, hostile.drip_s = "drip", 0.2
+        started = time.monotonic()
+        with pytest.warns(UserWarning, match="all 1 requests of this step failed .TooSlow: no whole reply within "
+                                             "external.timeout=1s"):
+            assert source.rollouts(task, task.examples("train", 1, 0), 1, seeds_for(1, 1)) == [[]]
+        assert time.monotonic() - started < 2 * (1.0 + 0.2) + 0.05 + 1.0  # two attempts, a byte's wait past each
+    finally:
+        source.close()
+
+
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_per_token_log_probs_that_spell_the_text_are_kept_and_bad_ones_are_a_failed_request(hostile, api):
+    """Tokens that spell the completion give each token's end and log-prob (what a cut rollout's log-prob is made
+    of); a NaN or positive log-prob is no log-prob: at start-up a named error, mid-run a failed request."""
+    task = DigitShare()
+    hostile.text, hostile.tokens = "<answer>0</answer>", ["<answer>", "0", "</answer>"]
+    hostile.logprobs = [-1.0, -0.5, -0.25]
+    source = stub_source(hostile, api=api)
+    try:
+        (rollout,), = source.rollouts(task, task.examples("train", 1, 0), 1, seeds_for(1, 1))
+        assert rollout.behaviour_logp == -1.75 and rollout.token_logps == ((8, -1.0), (9, -0.5), (18, -0.25))
+        hostile.tokens = ["<answer>", "1", "</answer>"]  # they do not spell it: the sum alone
+        (rollout,), = source.rollouts(task, task.examples("train", 1, 0), 1, seeds_for(1, 1))
+        assert rollout.behaviour_logp == -1.75 and rollout.token_logps is None
+        for bad in (float("nan"), 0.5):
+            hostile.logprobs = [-1.0, bad, -0.25]
+            with pytest.warns(UserWarning, match=f"external server at {hostile.base_url}: all 1 requests .*malformed "
+                                                 f"reply .Malformed: token log-prob {bad!r} is not a log-probability"):
+                assert source.rollouts(task, task.examples("train", 1, 0), 1, seeds_for(1, 1)) == [[]]
+    finally:
+        source.close()
+    hostile.logprobs = [float("nan")] * 3
+    with pytest.raises(ConfigError, match="probe completion failed .* token log-prob nan is not a log-probability"):
+        stub_source(hostile, api=api)
+
+
 def test_max_failed_steps_in_a_row_stop_the_run(hostile):
     task = DigitShare()
     source = stub_source(hostile, retries=0, max_failed_steps=2)
