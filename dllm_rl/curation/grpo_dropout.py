@@ -5,8 +5,9 @@ low surprisal (one the policy already finds likely) lowers it the most. Per grou
 rollout's length-normalised surprisal under the old policy and A_g its advantage:
 
     h_g = (A_g / G) (s_g - mean_g s)          so that  Cov(A, s) = sum_g h_g  over the group
-    drop the positive rollouts with the most negative h_g, one at a time, until sum over the kept of h_g >= 0
-    (Cov(A * keep, s) >= 0 over the original group); a rollout with A_g <= 0 is never dropped
+    remove rollouts of any sign, the most negative h_g first, one at a time, until sum over the kept of h_g >= 0
+    (Cov(A * keep, s) >= 0 over the original group); then restore the removed rollouts with A_g <= 0: only
+    positive rollouts are dropped in the end, but which ones is decided with the negative ones in the count
     recentre the kept advantages: A_g - sum_kept(w A) / sum_kept(w), w_g = exp(-s_g)
 
 The GRPO loss is unchanged; a dropped rollout gets loss weight 0. Decisions of this project where the paper's text
@@ -25,7 +26,7 @@ import torch
 
 @dataclass(frozen=True)
 class GrpoDropoutConfig:
-    pass  # no options: the rule is the paper's
+    pass  # no options: the rule is the paper's (remove by h of any sign, restore the non-positive)
 
 
 def surprisal(logp_NC: torch.Tensor, mask_NC: torch.Tensor) -> torch.Tensor:
@@ -41,17 +42,17 @@ def contributions(adv_G: torch.Tensor, s_G: torch.Tensor) -> torch.Tensor:
 
 
 def keep_mask(adv_G: torch.Tensor, s_G: torch.Tensor) -> torch.Tensor:
-    """keep_G: False for the positive rollouts dropped, most negative h first, until the kept h sum to >= 0."""
+    """keep_G: rollouts removed, most negative h first (any sign), until the kept h sum to >= 0; then the removed
+    rollouts with A <= 0 restored, so False only for the removed positive ones."""
     h_G = contributions(adv_G.double(), s_G.double())
-    keep_G = torch.ones(len(adv_G), dtype=torch.bool, device=adv_G.device)
+    removed_G = torch.zeros(len(adv_G), dtype=torch.bool, device=adv_G.device)
     total = float(h_G.sum())
     for g in sorted(range(len(adv_G)), key=lambda g: (float(h_G[g]), g)):
         if total >= 0 or float(h_G[g]) >= 0:
             break
-        if float(adv_G[g]) > 0:
-            keep_G[g] = False
-            total -= float(h_G[g])
-    return keep_G
+        removed_G[g] = True
+        total -= float(h_G[g])
+    return ~(removed_G & (adv_G > 0))
 
 
 def recentred(adv_G: torch.Tensor, s_G: torch.Tensor, keep_G: torch.Tensor) -> torch.Tensor:

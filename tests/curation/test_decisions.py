@@ -226,20 +226,35 @@ def test_grpo_dropout_on_a_hand_computed_group():
     assert grpo_dropout.surprisal(torch.tensor([[-1.0, -3.0, -9.0]]), torch.tensor([[1, 1, 0]])).tolist() == [2.0]
 
 
-def test_grpo_dropout_drops_only_positive_rollouts_and_leaves_the_covariance_non_negative_when_it_can():
+def paper_keep(adv, s):
+    """GRPODropout's rule written out slowly: h over the whole group; remove rollouts of any sign by ascending h
+    while the kept h sum below 0; restore the removed rollouts with A <= 0."""
+    G = len(adv)
+    h = [float(adv[g]) / G * (float(s[g]) - float(s.mean())) for g in range(G)]
+    removed, kept_sum = set(), sum(h)
+    for g in sorted(range(G), key=lambda g: (h[g], g)):
+        if kept_sum >= 0 or h[g] >= 0:
+            break
+        removed.add(g)
+        kept_sum -= h[g]
+    return [not (g in removed and float(adv[g]) > 0) for g in range(G)]
+
+
+def test_grpo_dropout_removes_by_h_of_any_sign_and_restores_the_non_positive():
+    """The issue's case: A = (1, 1, -1, -1), s = (0.3, 0.5, 0.9, 0.3): h = (-0.05, 0, -0.1, 0.05), sum -0.1.
+    Removing the most negative h, a negative rollout's, brings the sum to 0: removal stops, the negative rollout is
+    restored, and nothing is dropped (a positive-only rule would drop rollout 0)."""
+    adv, s = torch.tensor([1.0, 1.0, -1.0, -1.0]), torch.tensor([0.3, 0.5, 0.9, 0.3])
+    assert grpo_dropout.contributions(adv, s).tolist() == pytest.approx([-0.05, 0.0, -0.1, 0.05])
+    assert grpo_dropout.keep_mask(adv, s).tolist() == [True] * 4
     g = torch.Generator().manual_seed(0)
     for _ in range(300):
         G = int(torch.randint(2, 9, (1,), generator=g))
         rewards = torch.randint(0, 2, (G,), generator=g).float()
         adv, s = rewards - rewards.mean(), torch.rand(G, generator=g) * 3
         keep = grpo_dropout.keep_mask(adv, s)
-        h = grpo_dropout.contributions(adv, s)
-        assert bool((adv[~keep] > 0).all())  # never a non-positive one
-        could = float(h[(adv <= 0) | (h >= 0)].sum()) >= -1e-12  # dropping every entropy-lowering positive suffices
-        assert (float(h[keep].sum()) >= -1e-12) == could or bool(keep.all())
-        if could:  # greedy: one rollout fewer would not do
-            dropped = sorted((float(h[i]) for i in range(G) if not keep[i]))
-            assert not dropped or float(h[keep].sum()) + dropped[-1] < 1e-12
+        assert keep.tolist() == paper_keep(adv, s)
+        assert bool((adv[~keep] > 0).all())  # only positive rollouts are dropped
         if not bool(keep.all()):
             new, w = grpo_dropout.recentred(adv, s, keep), torch.exp(-s) * keep
             assert float((w * new).sum()) == pytest.approx(0.0, abs=1e-6) and bool((new[~keep] == 0).all())
