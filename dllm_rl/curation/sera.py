@@ -10,13 +10,17 @@ most. SERA spends the step's budget of B * N0 rollouts as
 
 with tau found by bisection so that the N_q add up to the budget: before clipping, (1 - p_q)^(N_q - 1) = e^-tau
 for every prompt. The integers spend the budget exactly (the largest fractional parts round up). A prompt whose
-group of N0 would almost surely be flat (1 - p^N0 - (1 - p)^N0 < `active_min`) gets none. Each row's loss weight
-is N0 / N_q, so a prompt's total weight is what a uniform group gives it.
+largest group would almost surely be flat (1 - p^n_max - (1 - p)^n_max < `active_min`: even n_max rollouts would
+not tell it apart) is inactive and gets none; an inactive prompt is made active again at its `revisit_every`-th
+inactive visit in a row (its success rate may have moved while it was not observed), and when every prompt of a
+step is inactive they are all made active, so the step's budget is always spent. Each row's loss weight is
+N0 / N_q, so a prompt's total weight is what a uniform group gives it.
 
 p_q is the mean of a discounted Beta posterior per prompt, prior Beta(0.5, 0.5): at each epoch boundary of the
-prompt stream alpha <- discount * alpha + successes and beta <- discount * beta + failures of that epoch (discount
-0.75); within an epoch it is frozen. Defaults are the paper's (prior, discount, active_min 0.05); n_min = 2 (the
-smallest group with a comparison) and n_max = 4 N0 are this project's choice.
+prompt stream the evidence is discounted toward the prior, alpha <- prior + discount * (alpha - prior) +
+successes (beta likewise with failures; discount 0.75), so an unobserved prompt's belief drifts back to the
+prior, not to zero; within an epoch it is frozen. Defaults are the paper's (prior, discount, active_min 0.05);
+n_min = 2 (the smallest group with a comparison), n_max = 4 N0 and revisit_every = 3 are this project's choice.
 """
 
 from __future__ import annotations
@@ -34,20 +38,22 @@ class SeraConfig:
     active_min: float = 0.05
     n_min: int = 2
     n_max: int | None = None  # None = 4 * group_size
+    revisit_every: int = 3  # an inactive prompt is made active at this many inactive visits in a row
 
     def __post_init__(self) -> None:
         require(self.prior > 0, f"curation.sera.prior={self.prior!r}: expected a number > 0")
         require(0.0 <= self.discount <= 1.0, f"curation.sera.discount={self.discount!r}: expected a number in [0, 1]")
         require(0.0 <= self.active_min < 1.0, f"curation.sera.active_min={self.active_min!r}: expected [0, 1)")
         require(self.n_min >= 1, f"curation.sera.n_min={self.n_min!r}: expected >= 1")
+        require(self.revisit_every >= 1, f"curation.sera.revisit_every={self.revisit_every!r}: expected >= 1")
         require(self.n_max is None or self.n_max >= self.n_min,
                 f"curation.sera.n_max={self.n_max!r}: expected null or >= n_min ({self.n_min})")
 
 
-def posterior_update(alpha: float, beta: float, successes: float, failures: float,
-                     discount: float) -> tuple[float, float]:
-    """The Beta parameters after an epoch with these outcomes (older evidence discounted)."""
-    return discount * alpha + successes, discount * beta + failures
+def posterior_update(alpha: float, beta: float, successes: float, failures: float, discount: float,
+                     prior: float) -> tuple[float, float]:
+    """The Beta parameters after an epoch with these outcomes: older evidence discounted toward the prior."""
+    return (prior + discount * (alpha - prior) + successes, prior + discount * (beta - prior) + failures)
 
 
 def mixed_chance(p: float, n: int) -> float:

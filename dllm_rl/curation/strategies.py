@@ -61,7 +61,7 @@ class Greso(Strategy):
 
     def observe(self, records: list[GroupRecord]) -> None:
         for r in records:
-            kind = greso.group_kind(r.correct, r.rewards)
+            kind = greso.group_kind(r.correct, self.config.easy_mean, self.config.hard_mean)
             if self.exempt and r.external > 0:
                 kind = "mixed"  # external rows gave the prompt a signal
             self.streak[r.example_id] = greso.next_streak(self.streak.get(r.example_id, 0), kind)
@@ -101,26 +101,48 @@ class Sera(Strategy):
         self.n_max = config.n_max if config.n_max is not None else 4 * group_size
         self.posterior: dict[int, tuple[float, float]] = {}  # example id -> (alpha, beta)
         self.pending: dict[int, dict[int, list[int]]] = {}  # epoch -> example id -> [successes, failures]
-        self.inactive = 0
+        self.asleep: dict[int, int] = {}  # example id -> its inactive visits in a row
+        self.inactive = self.revived = 0
 
     def success_rate(self, example_id: int) -> float:
         alpha, beta = self.posterior.get(example_id, (self.config.prior, self.config.prior))
         return alpha / (alpha + beta)
 
     def close_epochs(self, current: int) -> None:
+        """Every epoch before `current` that had groups: each prompt's evidence discounted (observed in it or
+        not: a prompt left out drifts back toward the prior), then the epoch's outcomes added."""
         for epoch in sorted(e for e in self.pending if e < current):
-            for example_id, (s, f) in sorted(self.pending.pop(epoch).items()):
+            tallies = self.pending.pop(epoch)
+            for example_id in sorted(set(self.posterior) | set(tallies)):
+                s, f = tallies.get(example_id, (0, 0))
                 alpha, beta = self.posterior.get(example_id, (self.config.prior, self.config.prior))
-                self.posterior[example_id] = sera.posterior_update(alpha, beta, s, f, self.config.discount)
+                self.posterior[example_id] = sera.posterior_update(alpha, beta, s, f, self.config.discount,
+                                                                   self.config.prior)
 
     def allocate(self, step: int, drawn: list, counts: list[int]) -> list[int]:
         if drawn:  # SERA never has a second round: dynamic sampling is refused beside it
             self.close_epochs(epoch_of(min(d.prompt_id for d in drawn), self.pool_size))
         p = [self.success_rate(d.example_id) for d in drawn]
-        active = [i for i, n in enumerate(counts) if n > 0
-                  and sera.mixed_chance(p[i], self.group_size) >= self.config.active_min]
-        self.inactive += sum(1 for n in counts if n > 0) - len(active)
-        budget = self.group_size * sum(1 for n in counts if n > 0)
+        asked = [i for i, n in enumerate(counts) if n > 0]
+        active = []
+        for i in asked:
+            key = drawn[i].example_id
+            if sera.mixed_chance(p[i], self.n_max) >= self.config.active_min:
+                self.asleep.pop(key, None)
+                active.append(i)
+            elif self.asleep.get(key, 0) + 1 >= self.config.revisit_every:
+                self.asleep.pop(key, None)  # revisited: observed again, whatever its posterior says
+                self.revived += 1
+                active.append(i)
+            else:
+                self.asleep[key] = self.asleep.get(key, 0) + 1
+        if asked and not active:  # no prompt of the step is active: all are, so the budget is spent
+            self.revived += len(asked)
+            for i in asked:
+                self.asleep.pop(drawn[i].example_id, None)
+            active = asked
+        self.inactive += len(asked) - len(active)
+        budget = self.group_size * len(asked)
         sizes = sera.allocate([p[i] for i in active], budget, self.config.n_min, self.n_max)
         out = [0] * len(drawn)
         for i, n in zip(active, sizes):
@@ -142,17 +164,19 @@ class Sera(Strategy):
             tally[1] += len(r.correct) - sum(r.correct)
 
     def metrics(self) -> dict[str, float]:
-        out = {"curation/sera_inactive": float(self.inactive)}
-        self.inactive = 0
+        out = {"curation/sera_inactive": float(self.inactive), "curation/sera_revived": float(self.revived)}
+        self.inactive = self.revived = 0
         return out
 
     def state_dict(self) -> dict[str, Any]:
         return {"posterior": {k: list(v) for k, v in self.posterior.items()},
-                "pending": {e: {k: list(v) for k, v in d.items()} for e, d in self.pending.items()}}
+                "pending": {e: {k: list(v) for k, v in d.items()} for e, d in self.pending.items()},
+                "asleep": dict(self.asleep)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.posterior = {int(k): tuple(v) for k, v in state["posterior"].items()}
         self.pending = {int(e): {int(k): list(v) for k, v in d.items()} for e, d in state["pending"].items()}
+        self.asleep = {int(k): int(v) for k, v in state.get("asleep", {}).items()}
 
 
 # ------------------------------------------------------------------------------------------ DARTS

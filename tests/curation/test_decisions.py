@@ -32,7 +32,7 @@ def test_greso_skip_probability_follows_the_formula_and_the_floor_holds():
 def test_greso_p_moves_toward_the_target_and_stays_within_bounds():
     assert greso.adapt(0.5, 0.4, 0.25, 0.01, 0.05, 0.95) == pytest.approx(0.49)  # too many flat: skip more
     assert greso.adapt(0.5, 0.1, 0.25, 0.01, 0.05, 0.95) == pytest.approx(0.51)
-    assert greso.adapt(0.5, 0.25, 0.25, 0.01, 0.05, 0.95) == 0.5
+    assert greso.adapt(0.5, 0.25, 0.25, 0.01, 0.05, 0.95) == pytest.approx(0.49)  # at the target: down (>=)
     p = 0.5
     for _ in range(100):
         p = greso.adapt(p, 1.0, 0.25, 0.01, 0.05, 0.95)
@@ -40,6 +40,17 @@ def test_greso_p_moves_toward_the_target_and_stays_within_bounds():
     for _ in range(200):
         p = greso.adapt(p, 0.0, 0.25, 0.01, 0.05, 0.95)
     assert p == pytest.approx(0.95)
+
+
+def test_greso_kinds_are_the_reference_thresholds_on_the_share_correct():
+    assert greso.group_kind([True] * 8) == "easy" and greso.group_kind([True] * 7 + [False]) == "mixed"
+    assert greso.group_kind([False] * 8) == "hard" and greso.group_kind([True] + [False] * 7) == "mixed"  # 0.125
+    assert greso.group_kind([True] + [False] * 9) == "hard"  # 0.1 <= 0.11
+    assert greso.group_kind([True] * 49 + [False]) == "easy"  # 0.98
+    # wrong answers with and without the format (rewards 0.1 and 0): no variance rule would call it flat
+    g = Greso(greso.GresoConfig(), group_size=4, seed=0, pool_size=4)
+    g.observe([GroupRecord(0, 1, [0.1, 0.0, 0.1, 0.0], [False] * 4)])
+    assert g.streak[1] == 1 and g.kind[1] == "hard"
 
 
 def test_greso_on_hand_made_histories():
@@ -110,9 +121,13 @@ def test_sera_posterior_moves_only_at_epoch_boundaries_and_weights_are_n0_over_n
     s.allocate(3, drawn([2, 3]), [4, 4])
     assert s.success_rate(2) == 0.5  # still epoch 0
     s.allocate(4, drawn([4, 5]), [4, 4])  # epoch 1 begins
-    alpha, beta = 0.75 * 0.5 + 3, 0.75 * 0.5 + 1
+    alpha, beta = 0.5 + 3, 0.5 + 1  # the evidence is discounted toward the prior: the prior itself stays
     assert s.success_rate(2) == pytest.approx(alpha / (alpha + beta))
-    # a prompt whose group of 4 would almost surely be flat gets none
+    s.observe([GroupRecord(4, 5, [1.0, 0.0, 0.0, 0.0], [True, False, False, False])])  # epoch 1: another prompt
+    s.allocate(8, drawn([8, 9]), [4, 4])  # epoch 2: no new evidence of 2, its old is discounted toward the prior
+    alpha, beta = 0.5 + 0.75 * 3, 0.5 + 0.75 * 1
+    assert s.success_rate(2) == pytest.approx(alpha / (alpha + beta))
+    # a prompt whose group of n_max = 16 would almost surely be flat gets none
     s.posterior[9] = (200.0, 0.01)
     sizes = s.allocate(8, drawn([9, 10, 11], pool=100), [4, 4, 4])
     assert sizes[0] == 0 and sum(sizes) == 12
@@ -123,6 +138,26 @@ def test_sera_posterior_moves_only_at_epoch_boundaries_and_weights_are_n0_over_n
     rows.prompt_N = torch.tensor([0] * 5 + [1] * 7)
     s.select(batch)
     assert rows.weight_N.tolist() == pytest.approx([4 / 5] * 5 + [4 / 7] * 7)
+
+
+def test_sera_judges_activity_at_n_max_and_brings_inactive_prompts_back():
+    """p = 0.02: a group of 4 is mixed with chance 0.078, of n_max = 16 with 0.28; at p = 0.001 even 16 give 0.016 <
+    0.05: inactive, until its third inactive visit in a row; a step of only inactive prompts activates them all."""
+    s = Sera(sera.SeraConfig(active_min=0.1), group_size=4, seed=0, pool_size=100)
+    s.posterior[1] = (0.02, 0.98)  # p = 0.02: inactive judged at 4 (0.078 < 0.1), active at 16
+    s.posterior[2], s.posterior[3] = (0.001, 0.999), (0.5, 0.5)
+    assert sera.mixed_chance(0.02, 4) < 0.1 < sera.mixed_chance(0.02, 16)
+    visits = [s.allocate(k, drawn([1, 2, 3]), [4, 4, 4]) for k in range(3)]
+    assert [v[0] > 0 for v in visits] == [True] * 3
+    assert [v[1] > 0 for v in visits] == [False, False, True]  # its third inactive visit: observed again
+    assert all(sum(v) == 12 for v in visits)
+    assert s.metrics() == {"curation/sera_inactive": 2.0, "curation/sera_revived": 1.0}
+    twin = Sera(sera.SeraConfig(active_min=0.1), group_size=4, seed=0, pool_size=100)
+    twin.load_state_dict(s.state_dict())
+    assert twin.asleep == s.asleep
+    s.posterior[4] = s.posterior[5] = (0.001, 0.999)
+    assert s.allocate(3, drawn([4, 5]), [4, 4]) == [4, 4]  # every prompt inactive: the budget is still spent
+    assert s.metrics()["curation/sera_revived"] == 2.0
 
 
 # ------------------------------------------------------------------------------------------ DARTS
