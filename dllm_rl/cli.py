@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
@@ -231,7 +232,7 @@ def consent_given(cfg: DictConfig, overrides: list[str]) -> None:
     (a recipe in configs/, a resumed run's config.json) cannot give it: its `true` is reset to false, so a
     directory that ships code stops with the named error that asks for consent; the environment variable says
     yes to every such key of the command."""
-    given = {o.lstrip("+").partition("=")[0]: yaml_value(o.partition("=")[2]) for o in overrides if "=" in o}
+    given = {o.lstrip("+").partition("=")[0] for o in overrides if "=" in o}  # the keys: their values are not read
     env = os.environ.get(CONSENT_ENV, "").strip().lower()
     if env not in ("", "0", "1", "true", "false"):
         raise ConfigError(f"{CONSENT_ENV}={os.environ[CONSENT_ENV]!r}: expected 1 (consent) or 0")
@@ -256,7 +257,14 @@ def from_the_package(cfg: DictConfig) -> None:
 
 
 def yaml_value(text: str) -> Any:
-    return OmegaConf.create({"v": text}).v if text == "" else OmegaConf.create(f"v: {text}").v
+    """An override's value as YAML reads it (`3` a number, `true` a bool, `[a, b]` a list); text YAML cannot read
+    (`/tmp/x: y`, `a host::`) is the string it is."""
+    if text == "":
+        return OmegaConf.create({"v": text}).v
+    try:
+        return OmegaConf.create(f"v: {text}").v
+    except (yaml.YAMLError, OmegaConfBaseException):
+        return text
 
 
 def to_plain(cfg: DictConfig) -> dict[str, Any]:

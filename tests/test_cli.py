@@ -203,3 +203,18 @@ def test_version_and_bare_command(capsys):
     err = capsys.readouterr().err
     assert all(name in err for name in ("tasks", "generate", "eval", "sft", "train", "export"))
     assert cli.main(["train", "--nope"]) == 2 and "unknown flag(s) ['--nope']" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", sorted(cli.COMMANDS))
+def test_override_values_that_yaml_cannot_read_are_strings_for_every_command(command, capsys):
+    """`key=/tmp/x: y` or `key=a host::` is a value YAML cannot parse: the consent check reads only the keys, and the
+    value arrives as the string it is (no scanner traceback)."""
+    assert cli.main([command, "--cfg", "+probe=/tmp/x: y", "+other=not a host::"]) == 0
+    out = capsys.readouterr().out
+    assert "probe: '/tmp/x: y'" in out and "other: 'not a host::'" in out
+
+
+def test_yaml_value_reads_what_yaml_reads_and_keeps_the_rest_as_text():
+    """What a resume's overrides go through (`resumed_config`)."""
+    assert cli.yaml_value("3") == 3 and cli.yaml_value("true") is True and cli.yaml_value("[a, b]") == ["a", "b"]
+    assert cli.yaml_value("/tmp/x: y") == "/tmp/x: y" and cli.yaml_value("not a host::") == "not a host::"
