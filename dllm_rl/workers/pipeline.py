@@ -67,6 +67,7 @@ class Pipeline:
     draw: Callable[[], list[Job]]  # the next step's groups, in order (called when the queue runs dry)
     timeout_s: float = 600.0
     sync_every: int = 1  # the learner publishes a snapshot every this many updates
+    queue_steps: int = 2  # groups started on the workers and not finished: at most this many steps' (B each)
     snapshot: Snapshot | None = None
     pending: deque = field(default_factory=deque)  # drawn or to regenerate, not started
     running: dict[Any, Running] = field(default_factory=dict)  # handle -> what it runs
@@ -134,8 +135,11 @@ class Pipeline:
         """Start groups while admission allows, each on the worker with the fewest queued. The admission bound
         is counted from the newest snapshot's update count (the version the groups are generated from), so with a
         snapshot every `sync_every` updates no group lags more than S either; the learner's next groups can then
-        start only if S >= sync_every - 1 (the config requires it)."""
-        while self.admission.free(self.snapshot.step) > 0:
+        start only if S >= sync_every - 1 (the config requires it). What the workers hold unfinished is bounded
+        too, by `queue_steps` steps' groups: enough to keep every worker busy while the learner trains, so a large
+        S lets finished groups wait for the learner (up to S steps) but never queues (S + 1) B groups at once (at
+        S = 10^6 that would be a loop that starts groups forever before the first step)."""
+        while self.admission.free(self.snapshot.step) > 0 and len(self.running) < self.queue_steps * self.admission.batch:
             if not self.pending:
                 self.pending.extend(self.draw())
             job = self.pending.popleft()

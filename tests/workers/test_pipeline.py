@@ -86,9 +86,10 @@ def drawer(batch):
     return draw
 
 
-def run(workers, S, steps, batch=4, train_t=3.0, max_failures=3):
+def run(workers, S, steps, batch=4, train_t=3.0, max_failures=3, queue_steps=2):
     """The learner's loop: publish, take, train; returns the taken keys and lags per step, and the pipeline."""
-    pipe = Pipeline(workers, Admission(batch, S, max_failures=max_failures), drawer(batch), timeout_s=100.0)
+    pipe = Pipeline(workers, Admission(batch, S, max_failures=max_failures), drawer(batch), timeout_s=100.0,
+                    queue_steps=queue_steps)
     keys, lags = [], []
     for step in range(steps):
         pipe.publish(Snapshot(step + 1, step, ref=None, checksum="c"))
@@ -99,6 +100,16 @@ def run(workers, S, steps, batch=4, train_t=3.0, max_failures=3):
         lags.append(taken.lags)
         workers.advance(train_t)
     return keys, lags, pipe
+
+
+def test_a_huge_s_queues_only_what_keeps_the_workers_busy_and_steps_at_once():
+    """S = 10^6 admits (S + 1) B groups; the workers are handed at most `queue_steps` B unfinished at a time, so the
+    first step comes after its own groups, not after a loop that starts groups forever; lags stay small."""
+    workers = SimulatedWorkers(2, duration=lambda w, job: 1.0)
+    keys, lags, pipe = run(workers, S=10**6, steps=4)
+    assert [k for step in keys for k in step] == list(range(16))
+    # the steps' own groups, the queue, and what the 2 workers finish beyond the 4 a step takes (6 per 3 s step)
+    assert len(workers.submitted) <= 16 + 2 * 4 + 2 * 4 and max(lag for step in lags for lag in step) <= 2
 
 
 def test_s0_is_the_synchronous_loop():
@@ -121,7 +132,7 @@ def test_lags_stay_within_s_and_reach_it_while_every_prompt_is_trained_once_in_o
 
 def test_a_killed_worker_loses_its_queue_which_is_regenerated_and_it_restarts():
     workers = SimulatedWorkers(2, duration=lambda w, job: 1.0, kill_at=(5.0, 1))
-    keys, lags, pipe = run(workers, S=2, steps=6)
+    keys, lags, pipe = run(workers, S=2, steps=6, queue_steps=3)  # all that S allows queued: the next steps' too
     assert sorted(k for step in keys for k in step) == list(range(24))  # each prompt once
     assert all(step == sorted(step) for step in keys)  # in prompt order within a step
     assert keys != [list(range(4 * s, 4 * s + 4)) for s in range(6)]  # a regenerated group moved to a later step
