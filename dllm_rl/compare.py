@@ -21,11 +21,10 @@ error) against step, one colour per arm and one line style per seed.
 from __future__ import annotations
 
 from json import dumps
-from pathlib import Path
 from typing import Any
 
 from dllm_rl import analysis
-from dllm_rl.errors import ConfigError, require
+from dllm_rl.errors import ConfigError, output_file, require
 
 IGNORED = ("seed", "run_dir", "resume")  # what may differ between runs of one arm
 
@@ -168,6 +167,7 @@ def compare(runs: list[str], plot: str | None = "compare.png", json: str | None 
     require(isinstance(runs, list) and len(runs) >= 1 and all(isinstance(r, str) and r for r in runs),
             f"runs={runs!r}: expected one or more run directories (dllm-rl compare runs/a runs/b ...)")
     require(isinstance(window, int) and window >= 1, f"window={window!r}: expected a whole number of steps >= 1")
+    files = {key: output_file(value, key) for key, value in (("json", json), ("plot", plot)) if value}  # before work
     loaded = analysis.load_runs(runs)
     tasks = {str(run["path"]): run["config"].get("task", {}).get("name") for run in loaded}
     if len(set(tasks.values())) > 1:
@@ -181,10 +181,9 @@ def compare(runs: list[str], plot: str | None = "compare.png", json: str | None 
     if plot:
         from dllm_rl.plots import compare_figure
 
-        Path(plot).expanduser().parent.mkdir(parents=True, exist_ok=True)
-        compare_figure(loaded, labels, window=min(5, window)).savefig(plot, dpi=120, bbox_inches="tight")
+        compare_figure(loaded, labels, window=min(5, window)).savefig(files["plot"], dpi=120, bbox_inches="tight")
         print_fn(f"figure: {plot}")
     if json:
-        Path(json).expanduser().write_text(dumps(out, indent=2, default=str) + "\n")
+        files["json"].write_text(dumps(out, indent=2, default=str) + "\n")
         print_fn(f"tables: {json}")
     return out

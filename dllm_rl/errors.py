@@ -12,6 +12,7 @@ import inspect
 import math
 import types
 import typing
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 
@@ -35,6 +36,19 @@ class Interrupted(RunStopped):
 def require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
+
+
+def output_file(path: str, key: str) -> Path:
+    """`path` as a file a command is about to write (checked before any work, so a bad path costs nothing): not a
+    directory, in a directory that exists or can be made."""
+    file = Path(path).expanduser()
+    require(not file.is_dir(), f"{key}={path!r} is a directory: expected a file path to write, e.g. {path.rstrip('/')}"
+            f"/out.json")
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"{key}={path!r}: cannot make its directory ({error.strerror})") from None
+    return file
 
 
 def did_you_mean(name: str, choices: Iterable[str]) -> str:

@@ -81,3 +81,9 @@ def test_the_command_takes_runs_as_arguments_and_refuses_mixed_tasks(tmp_path, c
         compare([], plot=None)
     assert cli.main(["compare", str(tmp_path / "nowhere"), "plot=null"]) == 2
     assert "nowhere" in capsys.readouterr().err
+
+
+def test_output_paths_that_are_directories_are_named_before_any_work(tmp_path):
+    for key in ("json", "plot"):
+        with pytest.raises(ConfigError, match=f"{key}={str(tmp_path)!r} is a directory"):
+            compare([str(tmp_path / "no-run")], **{key: str(tmp_path)})

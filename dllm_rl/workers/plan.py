@@ -30,7 +30,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from dllm_rl.errors import ConfigError, require
+from dllm_rl.errors import ConfigError, output_file, require
 from dllm_rl.workers.config import WorkersConfig
 
 MAX_SEARCH = 2_000_000  # mixes the exact search may visit
@@ -238,8 +238,8 @@ def _number(value) -> bool:
 def run(cfg: dict, print_fn=print) -> Plan:
     """`dllm-rl plan`: configs/plan.yaml's keys in, the plan printed (and written as JSON where `json` is set)."""
     import json
-    from pathlib import Path
 
+    out = output_file(cfg["json"], "json") if cfg.get("json") else None  # before any work
     if cfg.get("measure"):
         from dllm_rl.workers.measure import measure
 
@@ -267,8 +267,8 @@ def run(cfg: dict, print_fn=print) -> Plan:
     asynchronous = " sampler_correction.mode=weight" if cfg["max_staleness"] > 0 else ""
     print_fn(f"\napply it: dllm-rl train workers.pools='{flow(pools)}' workers.max_staleness={cfg['max_staleness']}"
              f"{asynchronous}")
-    if cfg.get("json"):
-        Path(cfg["json"]).write_text(json.dumps({"inputs": {k: cfg[k] for k in ("train_s", "publish_s", "batch",
+    if out is not None:
+        out.write_text(json.dumps({"inputs": {k: cfg[k] for k in ("train_s", "publish_s", "batch",
                                                                                  "group_size", "max_staleness",
                                                                                  "target_utilisation", "kinds")},
                                                  "counts": result.counts, "throughput": result.throughput,

@@ -103,6 +103,10 @@ def test_the_plan_command(tmp_path, capsys):
     assert saved["utilisation"] == pytest.approx(5 / (48 / 9)) and saved["simulated"] == pytest.approx(0.94, abs=0.01)
     assert cli.main(["plan", "train_s=5"]) == 2
     assert "kinds: expected at least one worker kind" in capsys.readouterr().err
+    # a directory for json= is named before anything is printed (no traceback after the plan)
+    assert cli.main(["plan", "train_s=5", kinds, f"json={tmp_path}"]) == 2
+    printed = capsys.readouterr()
+    assert f"json={str(tmp_path)!r} is a directory: expected a file path" in printed.err and not printed.out
     assert cli.main(["plan", "--help"]) == 0
     helped = capsys.readouterr().out
     keys = [line.split(":")[0] for line in (cli.config_dir() / "plan.yaml").read_text().splitlines()
