@@ -16,7 +16,6 @@ from typing import Any, Callable
 
 import torch
 
-from dllm_rl.algo.correction import SamplerCorrection
 from dllm_rl.checkpoint import complete_checkpoints, load_trainer_state, resumable_checkpoint
 from dllm_rl.data.task import Task, describe_splits
 from dllm_rl.data_parallel import DataParallel
@@ -238,7 +237,8 @@ def setup(task: Task, cfg: TrainConfig, print_fn, saved_config: dict | None, all
     if mixer is not None:
         mixer.baseline = state["external_baseline"]
     start = f"resumed from {checkpoint} at step {state['step']}" if checkpoint is not None else "a new run"
-    print_fn(run_header(run_dir, world.size, device, cfg.bf16, autocast_enabled, saved_config, start))
+    print_fn(run_header(run_dir, world.size, device, cfg.bf16, autocast_enabled, saved_config, start,
+                        cfg.decided()))
     return build_stages(task, cfg, dp, run_dir, tracker, learned, state, estimator, mixer, advantage, loss_options,
                         autocast, print_fn)
 
@@ -266,7 +266,7 @@ def held_out_settings(sampler: dict[str, Any]) -> dict[str, Any]:
 def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned, state, estimator, mixer, advantage,
                  loss_options, autocast, print_fn) -> Run:
     policy, tokenizer, engine = learned.policy, learned.tokenizer, learned.engine
-    correction = SamplerCorrection(**cfg.sampler_correction)
+    correction = cfg.correction()
     workers = WorkersConfig(**cfg.workers)
     # prompts an asynchronous checkpoint trained ahead of its position: the pipeline passes over them itself, the
     # synchronous loop here

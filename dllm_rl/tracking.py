@@ -199,9 +199,10 @@ class NullTracker(Tracker):
 
 
 def run_header(run_dir: Path, world_size: int, device, bf16: bool | str, autocast: bool, config: dict,
-               start: str) -> str:
+               start: str, decided: list[str] = ()) -> str:
     """What a run says at its start, before its progress: where it writes, from where it starts, the device, the
-    precision `bf16=auto` resolved to, and the whole config (as config.json holds it)."""
+    precision `bf16=auto` resolved to, what other `auto` settings became (`decided`), and the whole config (as
+    config.json holds it)."""
     import yaml
 
     processes = f"{world_size} process{'es' if world_size > 1 else ''}"
@@ -210,5 +211,6 @@ def run_header(run_dir: Path, world_size: int, device, bf16: bool | str, autocas
            ("auto", False): "bf16=auto: this device has no native bf16"}.get((str(bf16), autocast), f"bf16={bf16}")
     body = yaml.safe_dump(config, sort_keys=False, default_flow_style=False, width=110).rstrip()
     lines = [f"run {run_dir} ({start})", f"  device: {device}, {processes}",
-             f"  precision: {precision} ({why})", f"  config ({Path(run_dir) / 'config.json'}):"]
+             f"  precision: {precision} ({why})", *(f"  {line}" for line in decided),
+             f"  config ({Path(run_dir) / 'config.json'}):"]
     return "\n".join(lines + [f"    {line}" for line in body.splitlines()])

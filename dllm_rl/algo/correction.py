@@ -29,14 +29,14 @@ import torch
 
 from dllm_rl.errors import check_ranges, check_types, require
 
-MODES = ("none", "reject", "weight", "both")
+MODES = ("auto", "none", "reject", "weight", "both")
 
 
 @dataclass(frozen=True)
 class SamplerCorrection:
     """The `sampler_correction` options of `dllm-rl train` (configs/train.yaml)."""
 
-    mode: str = "none"
+    mode: str = "auto"  # resolved by `resolved_mode` before a run: weight with asynchronous rollouts, else none
     lower: float = 0.5  # reject a rollout whose ratio is below this
     upper: float = 2.0  # or above this
     cap: float = 2.0  # the truncated importance weight min(r, cap)
@@ -53,7 +53,20 @@ class SamplerCorrection:
 
     @property
     def on(self) -> bool:
+        require(self.mode != "auto", "sampler_correction.mode=auto must be resolved first (resolved_mode)")
         return self.mode != "none"
+
+
+def resolved_mode(mode: str, max_staleness: object) -> tuple[str, str | None]:
+    """(the mode `auto` stands for, why) where `mode` is auto: weight where rollouts come from older policies
+    (asynchronous workers, workers.max_staleness > 0: they need the truncated importance weight), none where the
+    sampler is the learner's policy; any other mode is itself (why None)."""
+    if mode != "auto":
+        return mode, None
+    if isinstance(max_staleness, int) and max_staleness > 0:
+        return "weight", (f"sampler_correction.mode=weight (auto: workers.max_staleness={max_staleness} trains on "
+                          f"rollouts of older policies, which need the truncated importance weight)")
+    return "none", None
 
 
 def rollout_log_ratio(learner_logp_NC: torch.Tensor, sampler_logp_NC: torch.Tensor,

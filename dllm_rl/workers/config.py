@@ -85,7 +85,7 @@ class WorkersConfig:
         require(self.max_staleness >= self.sync_every - 1,
                 f"workers.sync_every={self.sync_every} with workers.max_staleness={self.max_staleness}: between two "
                 f"snapshots the workers generate from weights up to {self.sync_every - 1} updates old, more than the "
-                f"bound allows; set workers.max_staleness>={self.sync_every - 1} (and sampler_correction.mode=weight)")
+                f"bound allows; set workers.max_staleness>={self.sync_every - 1}")
         require(self.pools is None or self.count == 0,
                 f"workers.count={self.count} with workers.pools: the pools say how many workers there are; set "
                 f"workers.count=0 (or workers.pools=null for {self.count} alike workers)")

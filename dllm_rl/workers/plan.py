@@ -264,9 +264,8 @@ def run(cfg: dict, print_fn=print) -> Plan:
     result = plan(pipeline, parsed, cfg["target_utilisation"], cfg["group_size"])
     pools = result.pools({name: spec.get("pool") or {} for name, spec in kinds.items()}, cfg["max_staleness"])
     print_fn(result.table(pipeline))
-    asynchronous = " sampler_correction.mode=weight" if cfg["max_staleness"] > 0 else ""
-    print_fn(f"\napply it: dllm-rl train workers.pools='{flow(pools)}' workers.max_staleness={cfg['max_staleness']}"
-             f"{asynchronous}")
+    # (sampler_correction.mode=auto, the default, turns the correction on for max_staleness > 0)
+    print_fn(f"\napply it: dllm-rl train workers.pools='{flow(pools)}' workers.max_staleness={cfg['max_staleness']}")
     if out is not None:
         out.write_text(json.dumps({"inputs": {k: cfg[k] for k in ("train_s", "publish_s", "batch",
                                                                                  "group_size", "max_staleness",

@@ -201,7 +201,7 @@ def test_ctrl_c_stops_the_run_and_its_workers_and_leaves_no_ray_process(saved_mo
     command = [sys.executable, "-m", "dllm_rl.cli", "train", f"model={saved_model}", f"run_dir={run}", "steps=500",
                "task=arithmetic", "prompts_per_step=2", "group_size=2", "minibatch_size=4", "eval_every=0",
                "external=none", "rollout.gen_length=16", "rollout.block_length=8", "rollout.steps=8",
-               "checkpoint_every=1", "workers.count=1", "workers.max_staleness=1", "sampler_correction.mode=weight",
+               "checkpoint_every=1", "workers.count=1", "workers.max_staleness=1",  # the correction: mode=auto
                "workers.timeout_s=120", "tensorboard=false"]
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)
