@@ -99,9 +99,14 @@ def run_steps(run: Run) -> dict[str, float]:
                 timer.current = "evaluation, logging and checkpoint"
                 record_step(run, step, batch, metrics)
                 stopping = dp.any(stop.requested)  # a collective too: a peer lost here is named like the others
-            if stopping:  # every rank stops after the same step
-                raise Interrupted(f"interrupted after step {step + 1} of {cfg.steps}; continue from its last "
-                                  f"checkpoint with resume={run.run_dir}")
+                if stopping:  # every rank stops after the same step, with a checkpoint of it where the run keeps any
+                    done = step + 1
+                    if cfg.checkpoint_every > 0 and not checkpoint_due(cfg, done):
+                        checkpoint(run, done)
+            if stopping:
+                raise Interrupted(f"interrupted after step {step + 1} of {cfg.steps}; " + (
+                    f"checkpoint_every=0 keeps no checkpoint, so the run cannot be resumed" if cfg.checkpoint_every == 0
+                    else f"the checkpoint of step {step + 1} is written: continue with resume={run.run_dir}"))
     return metrics
 
 
@@ -181,15 +186,26 @@ def record_step(run: Run, step: int, batch: StepBatch, metrics: dict[str, float]
     if cfg.sample_every > 0 and (step % cfg.sample_every == 0 or done == cfg.steps):
         run.tracker.samples(done, sample_rows(batch))
     run.print_fn(console_line(done, cfg.steps, metrics))
-    if cfg.checkpoint_every > 0 and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
-        synced = learner.reference.model if learner.reference is not None and cfg.ref_sync_every > 0 else None
-        save_checkpoint(run.run_dir, done, learner.engine, learner.scheduler, dict(state),
-                        keep_last=cfg.keep_checkpoints, tokenizer=run.learned.tokenizer, reference=synced)
+    if checkpoint_due(cfg, done):
+        checkpoint(run, done)
+
+
+def checkpoint_due(cfg, done: int) -> bool:
+    """Whether the run keeps a checkpoint of step `done` (every `checkpoint_every` steps, and the last)."""
+    return cfg.checkpoint_every > 0 and (done % cfg.checkpoint_every == 0 or done == cfg.steps)
+
+
+def checkpoint(run: Run, done: int) -> None:
+    """A checkpoint of the run after step `done` (every rank calls it)."""
+    learner = run.learner
+    synced = learner.reference.model if learner.reference is not None and run.cfg.ref_sync_every > 0 else None
+    save_checkpoint(run.run_dir, done, learner.engine, learner.scheduler, dict(run.state),
+                    keep_last=run.cfg.keep_checkpoints, tokenizer=run.learned.tokenizer, reference=synced)
 
 
 class StopRequest:
-    """Ctrl-C (SIGINT) asks the loop to stop at the end of the current step, after its checkpoint if one is due;
-    a second Ctrl-C stops at once. Only the main thread can catch signals; elsewhere nothing is installed."""
+    """Ctrl-C (SIGINT) asks the loop to stop at the end of the current step, after a checkpoint of it (where the
+    run keeps checkpoints: checkpoint_every > 0); a second Ctrl-C stops at once. Only the main thread can catch signals; elsewhere nothing is installed."""
 
     def __init__(self) -> None:
         self.requested = False

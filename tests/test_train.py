@@ -160,17 +160,19 @@ def test_a_window_beyond_the_models_context_is_refused_inside_the_trainer(saved_
 
 @pytest.mark.slow
 def test_ctrl_c_stops_cleanly_after_the_current_step(saved_model, tmp_path):
-    """SIGINT ends the step under way (and its checkpoint), then the run stops with one line and status 130."""
+    """SIGINT ends the step under way, writes its checkpoint (none was due: checkpoint_every=100), then the run
+    stops with one line that says so and status 130."""
     import time
 
     run = tmp_path / "run"
     args = [sys.executable, "-m", "dllm_rl.cli", "train", f"model={saved_model}", f"run_dir={run}", "steps=500",
-            "checkpoint_every=1", "eval_every=0", "external=none", "prompts_per_step=2", "group_size=2",
+            "checkpoint_every=100", "eval_every=0", "external=none", "prompts_per_step=2", "group_size=2",
             "minibatch_size=4", "rollout.gen_length=16", "rollout.block_length=8", "rollout.steps=8",
             "tensorboard=false"]
     process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
-    while time.time() < deadline and not (run / "checkpoints" / "latest").exists():
+    metrics = run / "metrics.jsonl"
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().strip()):
         time.sleep(0.2)
     process.send_signal(signal.SIGINT)
     _, err = process.communicate(timeout=120)
@@ -178,9 +180,29 @@ def test_ctrl_c_stops_cleanly_after_the_current_step(saved_model, tmp_path):
     assert "Traceback" not in err
     (line,) = [l for l in err.splitlines() if l.startswith("stopped: ")]
     done = int(line.split("after step ")[1].split()[0])
-    assert line == f"stopped: interrupted after step {done} of 500; continue from its last checkpoint with resume={run}"
-    steps = [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert line == (f"stopped: interrupted after step {done} of 500; the checkpoint of step {done} is written: "
+                    f"continue with resume={run}")
+    steps = [json.loads(l)["step"] for l in metrics.read_text().splitlines()]
     assert steps == list(range(1, done + 1)) and latest_checkpoint(run).name == f"step_{done:06d}"
+
+
+def test_an_interrupt_without_checkpoints_says_the_run_cannot_be_resumed(saved_model, tmp_path, monkeypatch):
+    """With checkpoint_every=0 nothing is written on Ctrl-C, and the message does not promise a resume."""
+    from dllm_rl import train as train_module
+    from dllm_rl.errors import Interrupted
+
+    class Pressed(train_module.StopRequest):
+        def __init__(self):
+            super().__init__()
+            self.requested = True  # Ctrl-C during the first step
+
+    monkeypatch.setattr(train_module, "StopRequest", Pressed)
+    run = tmp_path / "run"
+    with pytest.raises(Interrupted, match="interrupted after step 1 of 3; checkpoint_every=0 keeps no checkpoint, "
+                                          "so the run cannot be resumed"):
+        train(build_task("arithmetic"), model=saved_model, run_dir=str(run), steps=3,
+              **{**SMALL, "checkpoint_every": 0})
+    assert latest_checkpoint(run) is None
 
 
 def test_zero_variance_steps_complete_without_an_update(saved_model, tmp_path):
