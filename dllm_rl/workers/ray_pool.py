@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import socket
 import time
 from typing import Any, Sequence
@@ -30,10 +31,16 @@ from dllm_rl.workers.errors import WorkerDied, WorkersError
 from dllm_rl.workers.versions import Snapshot, load_verified
 
 
+# the local Rays this process started: (session directory, the write end of its reaper's pipe); `stop_ray` removes them
+SESSIONS: list[tuple[str, int]] = []
+
+
 def start_ray(address: str | None = None, num_cpus: int | None = None, object_store_mb: int = 256,
               temp_dir: str | None = None) -> None:
     """A local Ray (address None: this machine only, `num_cpus` logical CPUs, the object store capped at
-    `object_store_mb` MiB in /dev/shm, no dashboard), or a running cluster joined at `address`."""
+    `object_store_mb` MiB in /dev/shm, no dashboard, its session under `temp_dir`, which `stop_ray` removes, and
+    which a reaper removes with what is left of Ray if this process is killed: dllm_rl/workers/reaper.py), or a
+    running cluster joined at `address`."""
     import ray
 
     if address is not None and address != "auto":
@@ -41,9 +48,14 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, object_st
     options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
     if address is None:
         options.update(num_cpus=num_cpus, object_store_memory=object_store_mb * 2**20, _temp_dir=temp_dir)
+    if address is None and temp_dir is not None:
+        from dllm_rl.workers.reaper import start_reaper
+
+        SESSIONS.append((temp_dir, start_reaper(temp_dir)))
     try:
         ray.init(address=address, **options)
     except Exception as error:  # ray raises ConnectionError, RuntimeError, ValueError, TimeoutError...
+        stop_ray()
         where = f"the cluster at address={address!r}" if address else "a local Ray"
         raise WorkersError(f"Ray did not start ({where}): {type(error).__name__}: {error}") from None
 
@@ -62,11 +74,16 @@ def reachable(address: str, timeout_s: float = 10.0) -> None:
 
 
 def stop_ray() -> None:
-    """Shut Ray down (its processes end with it); a no-op where it is not running."""
+    """Shut Ray down (its processes end with it), and remove the session directories of the local Rays this
+    process started (their logs and sockets); a no-op where it is not running."""
     import ray
 
     if ray.is_initialized():
         ray.shutdown()
+    while SESSIONS:
+        session_dir, reaper = SESSIONS.pop()
+        shutil.rmtree(session_dir, ignore_errors=True)
+        os.close(reaper)  # its reaper finds nothing left, and exits
 
 
 class RayStore:

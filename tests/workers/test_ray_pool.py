@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -181,3 +182,38 @@ def test_two_nodes_joined_by_address_share_snapshots_and_roll_out_alike(tmp_path
                          capture_output=True, text=True, timeout=300)
     assert "NODES 2" in out.stdout and "OK" in out.stdout.split(), out.stdout + out.stderr[-3000:]
     assert not processes_mentioning(str(temp))
+
+
+DRIVER = """
+import sys, time
+from dllm_rl.workers.ray_pool import start_ray
+start_ray(None, num_cpus=1, temp_dir=sys.argv[1])
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_a_killed_starter_leaves_no_ray_process_and_no_session_directory(tmp_path):
+    """SIGKILL of the process that started a local Ray: its reaper ends the Ray processes that outlive it (the
+    raylet's DashboardAgent and RuntimeEnvAgent stay about a minute on their own) and removes the session."""
+    import time
+
+    import psutil
+
+    from dllm_rl.workers.reaper import uses
+
+    session = Path(tempfile.mkdtemp(prefix="dllm-ray-", dir="/tmp"))  # Ray's sockets need a short path
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(session)], stdout=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).resolve().parents[2])
+    assert driver.stdout.readline().strip() == "ready"
+    time.sleep(3)  # the agents are up
+    agents = [p for p in psutil.process_iter() if uses(p, str(session)) and "Agent" in " ".join(p.cmdline())]
+    assert agents  # what would outlive the driver
+    driver.kill()
+    driver.wait()
+    deadline = time.time() + 20
+    while time.time() < deadline and (session.exists() or any(p.is_running() for p in agents)):
+        time.sleep(0.2)
+    assert not session.exists() and not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in agents)
+    assert not processes_mentioning(str(session))
