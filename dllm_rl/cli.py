@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import json
 import os
 import re
 import sys
@@ -222,6 +223,26 @@ def resumed_config(run_dir: str, overrides: list[str]) -> tuple[DictConfig, bool
     return cfg, allowed
 
 
+def checkpoint_task(overrides: list[str]) -> dict[str, Any] | None:
+    """The task config of the run whose checkpoint `model=` names (run/checkpoints/step_N, or `latest`), where the
+    overrides name no task; else None."""
+    if any(o.lstrip("+").startswith(("task=", "task.")) for o in overrides):
+        return None
+    model = [o.partition("=")[2] for o in overrides if o.startswith("model=")]
+    if not model or not model[-1]:
+        return None
+    checkpoint = Path(model[-1]).expanduser().resolve()
+    run_config = checkpoint.parent.parent / "config.json"
+    if not ((checkpoint / "COMPLETE").is_file() and checkpoint.parent.name == "checkpoints" and run_config.is_file()):
+        return None
+    try:
+        task = json.loads(run_config.read_text()).get("task")
+    except (OSError, ValueError, AttributeError):
+        return None
+    known = isinstance(task, dict) and isinstance(task.get("name"), str)
+    return task if known and (config_dir() / "task" / f"{task['name']}.yaml").is_file() else None
+
+
 CONSENT_ENV = "DLLM_RL_TRUST_REMOTE_CODE"  # =1: consent for every trust_remote_code key of this command
 
 
@@ -382,6 +403,9 @@ def main(argv: list[str] | None = None) -> int:
         # so a path need not survive the override grammar
         positional = [a for a in overrides if "=" not in a] if args[0] == "compare" else []
         overrides = [a for a in overrides if a not in positional]
+        run_task = checkpoint_task(overrides) if args[0] == "eval" else None
+        if run_task is not None:  # a run's checkpoint knows its task: scored on it unless the user names another
+            overrides = [f"task={run_task['name']}", *overrides]
         resume = [o.split("=", 1)[1] for o in overrides if o.startswith("resume=")]
         allowed = False
         if resume and resume[-1] not in ("", "null") and args[0] == "train":
@@ -390,6 +414,10 @@ def main(argv: list[str] | None = None) -> int:
             cfg = compose_config(config_name, overrides)
         if positional:
             OmegaConf.update(cfg, "runs", [*cfg.runs, *positional])
+        if run_task is not None:
+            OmegaConf.update(cfg, "task", {k: v for k, v in run_task.items() if k in cfg.task}, merge=True)
+            print(f"task={run_task['name']}: the task of the run this checkpoint comes from (task=<name> scores it on "
+                  f"another)", file=sys.stderr)
         consent_given(cfg, overrides)
         from_the_package(cfg)
         if "--cfg" in flags:

@@ -218,3 +218,20 @@ def test_yaml_value_reads_what_yaml_reads_and_keeps_the_rest_as_text():
     """What a resume's overrides go through (`resumed_config`)."""
     assert cli.yaml_value("3") == 3 and cli.yaml_value("true") is True and cli.yaml_value("[a, b]") == ["a", "b"]
     assert cli.yaml_value("/tmp/x: y") == "/tmp/x: y" and cli.yaml_value("not a host::") == "not a host::"
+
+
+def test_eval_of_a_runs_checkpoint_scores_the_runs_task_unless_another_is_named(tmp_path, capsys):
+    run = tmp_path / "run"
+    checkpoint = run / "checkpoints" / "step_000002"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "COMPLETE").write_text("")
+    (run / "checkpoints" / "latest").symlink_to("step_000002")
+    (run / "config.json").write_text(json.dumps({"task": {"name": "sudoku"}, "steps": 2}))
+    for model in (checkpoint, run / "checkpoints" / "latest"):
+        assert cli.main(["eval", "--cfg", f"model={model}"]) == 0
+        captured = capsys.readouterr()
+        assert "name: sudoku" in captured.out and "task=sudoku: the task of the run" in captured.err
+    assert cli.main(["eval", "--cfg", f"model={checkpoint}", "task=countdown"]) == 0
+    assert "name: countdown" in capsys.readouterr().out
+    assert cli.main(["eval", "--cfg", f"model={tmp_path}"]) == 0  # not a checkpoint: eval's own default
+    assert "name: countdown" in capsys.readouterr().out
