@@ -16,6 +16,7 @@ formatted, reason, num_tokens, sample, source, and from `dllm-rl eval` gen_lengt
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -27,7 +28,7 @@ from tqdm import tqdm
 
 from dllm_rl.data.task import Task, draw_examples, render_prompt
 from dllm_rl.device import device_of
-from dllm_rl.errors import check_ranges, require
+from dllm_rl.errors import ConfigError, check_ranges, require
 from dllm_rl.seeds import derive_seed
 
 
@@ -162,21 +163,49 @@ def run_eval(task: Task, *, model: str, kind: str = "auto", dtype: str = "float3
 
 def check_context(generator, task: Task, runs: list[dict[str, Any]], protocol, *, split: str, num_prompts: int | None,
                   seed: int, tokenizer) -> None:
-    """Every length fits the model's context after the longest prompt evaluated (a named error otherwise)."""
+    """Every length fits the model's context after the longest prompt evaluated: else a named error that says what
+    to change (the lengths that fit, the compact prompts for a short-context model, a shorter window)."""
     context = getattr(generator.model, "context_length", None) if generator.is_diffusion else None
     if context is None:
         return
     examples = draw_examples(task, split, num_prompts, seed, "num_prompts")
-    widest = max(len(generator.tokenizer(render_prompt(task.prompt(e), tokenizer), add_special_tokens=False)
-                     ["input_ids"]) for e in examples)
+    with quiet_tokenizer():  # a prompt longer than the context is what this check names, not a warning
+        widest = max(len(generator.tokenizer(render_prompt(task.prompt(e), tokenizer), add_special_tokens=False)
+                         ["input_ids"]) for e in examples)
     fits = [s["gen_length"] for s in runs if widest + s["gen_length"] <= context]
     for settings in runs:
-        require(widest + settings["gen_length"] <= context,
-                f"protocol={protocol.name}: length {settings['gen_length']} "
-                f"after the longest prompt of {widest} tokens "
-                f"exceeds the model's context of {context}; "
-                + (f"evaluate the lengths that fit with protocol.lengths={fits}"
-                   if fits else "no length of the protocol fits this model"))
+        length = settings["gen_length"]
+        if widest + length <= context:
+            continue
+        what = f"protocol={protocol.name}: length {length}" if protocol.name != "none" else f"rollout.gen_length={length}"
+        hints = []
+        if fits:
+            hints.append(f"evaluate the lengths that fit with protocol.lengths={fits}")
+        style = getattr(task, "prompt_style", "compact")
+        if style != "compact":
+            key = "protocol.task.prompt_style" if "prompt_style" in protocol.task else "task.prompt_style"
+            hints.append(f"the {style} prompts (the paper's instructions and format) need a long-context model such as "
+                         f"LLaDA-8B or Dream-7B; on a short-context model (the embedded ones) {key}=compact asks the "
+                         f"question alone")
+        elif protocol.name == "none" and context - widest >= 1:
+            hints.append(f"set rollout.gen_length <= {context - widest}")
+        if not hints:
+            hints.append("no length fits this model: use a model with a longer context")
+        raise ConfigError(f"{what} after the longest prompt of {widest} tokens exceeds the model's context of "
+                          f"{context}; " + "; ".join(hints))
+
+
+@contextlib.contextmanager
+def quiet_tokenizer():
+    """transformers' "sequence length is longer than the specified maximum" warning held back."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def length_table(task: str, protocol: str, runs: list[dict[str, Any]], summaries: dict[int, dict]) -> str:

@@ -64,10 +64,13 @@ def test_a_protocol_for_another_task_or_a_longer_context_is_refused(saved_model,
     # the test model's context is 128 tokens: d1's long prompts leave room for no length
     assert cli.main(["eval", f"model={saved_model}", "protocol=d1", "task=countdown", "num_prompts=3"]) == 2
     err = capsys.readouterr().err
-    assert "protocol=d1: length 128 after the longest prompt of" in err and "no length of the protocol fits" in err
+    assert "protocol=d1: length 128 after the longest prompt of" in err
+    assert "need a long-context model such as LLaDA-8B or Dream-7B; on a short-context model (the embedded ones) " \
+           "protocol.task.prompt_style=compact asks the question alone" in err and "Token indices" not in err
     assert cli.main(["eval", f"model={saved_model}", "protocol=justgrpo", "task=countdown", "num_prompts=3",
                      "task.prompt_style=compact"]) == 2
-    assert "evaluate the lengths that fit with protocol.lengths=[]" not in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "evaluate the lengths that fit with protocol.lengths=[]" not in err and "no length fits this model" in err
 
 
 def test_eval_runs_every_length_prints_one_table_and_records_the_protocol(saved_model, tmp_path, capsys):
@@ -120,3 +123,15 @@ def test_batch_size_and_padding_never_change_a_result(tmp_path, char_tokenizer):
             lengths = {len(char_tokenizer(r["prompt"])["input_ids"]) for r in one}
             assert len(lengths) > 1, "the prompts must pad each other"
     assert isinstance(generator, TextGenerator)
+
+
+def test_a_window_past_the_context_without_a_protocol_names_the_rollout_key_and_the_fix(saved_model, tmp_path, capsys):
+    """Not `protocol=none` (which the user never set): the window, and what fits; d1-style prompts (a GSM8K file's)
+    point to the compact prompts."""
+    assert cli.main(["eval", f"model={saved_model}", "task=countdown", "num_prompts=2", "rollout.gen_length=128",
+                     "rollout.block_length=32", "rollout.steps=32"]) == 2
+    err = capsys.readouterr().err
+    assert "error: rollout.gen_length=128 after the longest prompt of" in err and "set rollout.gen_length <= " in err
+    assert "protocol=none" not in err
+    assert cli.main(["eval", f"model={saved_model}", "task=countdown", "num_prompts=2", "task.prompt_style=d1"]) == 2
+    assert "the d1 prompts (the paper's instructions and format) need a long-context model" in capsys.readouterr().err
