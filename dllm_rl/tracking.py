@@ -26,13 +26,22 @@ CONSOLE_FIELDS = [
     ("perf/rollout_s", "roll", "{:.1f}s"), ("perf/external_s", "ext_s", "{:.1f}s"),
     ("perf/score_s", "score", "{:.1f}s"), ("perf/update_s", "upd", "{:.1f}s"),
 ]
+QUIET_AT_ZERO = {"kl", "ext_s", "score"}  # left out where they print as zero (beta 0, no external rows, no scoring)
 
 
 def console_line(step: int, total: int, metrics: dict[str, float]) -> str:
-    parts = [f"step {step}/{total}"]
+    """One line per step: the fields that say something (`acc` only where it differs from `reward`, i.e. with a
+    format bonus; kl and the external and scoring times only where they are not zero)."""
+    parts, shown = [f"step {step}/{total}"], {}
     for key, label, fmt in CONSOLE_FIELDS:
         if key in metrics and isinstance(metrics[key], (int, float)) and math.isfinite(metrics[key]):
-            parts.append(f"{label} {fmt.format(metrics[key])}")
+            text = fmt.format(metrics[key])
+            if label in QUIET_AT_ZERO and float(text.rstrip("s")) == 0:
+                continue
+            if label == "acc" and text == shown.get("reward"):
+                continue
+            shown[label] = text
+            parts.append(f"{label} {text}")
     return " | ".join(parts)
 
 

@@ -264,8 +264,12 @@ def run_summary(run_dir: Path, window: int = 10) -> str:
     if len(external):
         lines.append(f"  external rows per step: {series(run, 'external/rows').mean():.1f}, "
                      f"their mean reward {external.mean():.3f}")
-    for key in [k for k in evals.columns if k in ("eval/pass@1", "eval/sampled_pass@1")
-                or k.startswith(("eval/best_of", "eval/pass1_external_"))]:
+    # a provenance side that holds every held-out prompt (the external source solves all, or none) is pass@1 again
+    fraction = evals["eval/external_solved_fraction"] if "eval/external_solved_fraction" in evals else None
+    whole = {"eval/pass1_external_solved": fraction is not None and bool((fraction == 1).all()),
+             "eval/pass1_external_failed": fraction is not None and bool((fraction == 0).all())}
+    for key in [k for k in evals.columns if (k in ("eval/pass@1", "eval/sampled_pass@1")
+                or k.startswith(("eval/best_of", "eval/pass1_external_"))) and not whole.get(k)]:
         values = " -> ".join(f"{v:.3f}" for v in evals[key])
         lines.append(f"  held-out {key[5:]} at steps {', '.join(map(str, evals['step']))}: {values}")
     gain = held_out_gain(run)

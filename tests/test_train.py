@@ -323,3 +323,30 @@ def test_the_summary_gives_the_held_out_gain_paired_over_prompts(tmp_path):
     assert "held-out pass@1 at steps 0, 2: 0.250 -> 0.750" in text
     assert ("held-out greedy pass@1 (4 prompts), step 0 -> 2: 0.250 ± 0.217 -> 0.750 ± 0.217, gain +0.500 ± 0.289 "
             "(paired over prompts, +1.7 s.e.)") in text
+
+
+def test_the_summary_leaves_out_a_provenance_side_that_is_every_prompt(tmp_path):
+    from dllm_rl.train import run_summary
+
+    def write(fraction, solved, failed):
+        rows = [{"step": s, "eval/pass@1": p, "eval/external_solved_fraction": fraction,
+                 **({"eval/pass1_external_solved": solved} if solved is not None else {}),
+                 **({"eval/pass1_external_failed": failed} if failed is not None else {})}
+                for s, p in ((0, 0.25), (2, 0.5))]
+        (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        return run_summary(tmp_path)
+
+    assert "pass1_external" not in write(1.0, 0.25, None)  # the source solves all: the solved side is pass@1
+    both = write(0.5, 0.3, 0.2)
+    assert "held-out pass1_external_solved at steps 0, 2: 0.300 -> 0.300" in both and "pass1_external_failed" in both
+
+
+def test_the_step_line_leaves_out_fields_that_say_nothing():
+    from dllm_rl.tracking import console_line
+
+    line = console_line(3, 10, {"reward/on_policy": 0.25, "reward/accuracy": 0.25, "loss/kl": 0.0,
+                                "perf/external_s": 0.01, "perf/score_s": 0.0, "perf/update_s": 1.24})
+    assert line == "step 3/10 | reward 0.250 | upd 1.2s"
+    line = console_line(3, 10, {"reward/on_policy": 0.35, "reward/accuracy": 0.25, "loss/kl": 0.0012,
+                                "perf/external_s": 0.5})
+    assert line == "step 3/10 | reward 0.350 | acc 0.250 | kl 0.0012 | ext_s 0.5s"
