@@ -114,8 +114,9 @@ def test_the_readme_notebook_command_runs_as_written(tiny_runs):
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PWD": str(where)}
     result = subprocess.run(["bash", "-c", command], cwd=where, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    html = (where / "notebooks" / "evaluate.html").read_text()
+    html = (where / "runs" / "evaluate.html").read_text()
     assert html.count("image/png") >= 3 and "external" in html and "Traceback" not in html
+    assert not (where / "notebooks" / "evaluate.html").exists()  # nothing written beside the tracked notebook
 
 
 @pytest.mark.slow
