@@ -340,8 +340,36 @@ def command_help(name: str) -> str:
     width = max((len(k) + len(v) for k, v, _ in keys), default=0) + 1
     lines += ["", "keys (key=value; a group's own keys as group.key=value, see --cfg):"]
     lines += [f"  {f'{key}={value}':<{width}s}  {comment}".rstrip() for key, value, comment in keys]
-    lines += ["", "Print the resolved config with --cfg."]
+    nested = [key for key, value, _ in keys if value == "(a group of keys)"]
+    lines += ["", f"A group's keys with their comments: dllm-rl {name} --help <{'|'.join([*nested, *(g for g, _, _ in groups)])}>.",
+              "Print the resolved config with --cfg."]
     return "\n".join(lines)
+
+
+def topic_help(name: str, topic: str) -> str:
+    """`dllm-rl <name> --help <topic>`: a block of keys of the command's config (`workers`, `mixing`, ...) as the
+    file writes it, with its comments; or a config group's options, each with its keys and comments."""
+    _, config_name, _ = COMMANDS[name]
+    file = config_dir() / f"{config_name}.yaml"
+    groups, keys = yaml_outline(file)
+    lines = file.read_text().splitlines()
+    starts = [i for i, line in enumerate(lines) if re.match(rf"{re.escape(topic)}:(\s|$)", line)]
+    if starts:
+        block = [lines[starts[0]]]
+        for line in lines[starts[0] + 1:]:
+            if line.strip() and not line.startswith((" ", "#")):
+                break
+            block.append(line)
+        return "\n".join([f"dllm-rl {name}: {topic}.* ({file})", *(line for line in block if line.strip())])
+    if topic in [g for g, _, _ in groups]:
+        out = [f"dllm-rl {name}: {topic}=<option> ({config_dir() / topic}/), each option's keys as {topic}.key=value"]
+        for option in sorted((config_dir() / topic).glob("*.yaml")):
+            out += ["", f"{topic}={option.stem}:"] + [f"  {line}" for line in option.read_text().splitlines()
+                                                     if line.strip() and not line.startswith("# @package")]
+        return "\n".join(out)
+    known = [k for k, v, _ in keys if v == "(a group of keys)"] + [g for g, _, _ in groups]
+    raise ConfigError(f"--help {topic}: not a group of dllm-rl {name}{did_you_mean(topic, known)}; its groups: "
+                      f"{', '.join(known)}")
 
 
 def quiet_libraries() -> None:
@@ -396,7 +424,8 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             raise ConfigError(f"unknown flag(s) {sorted(unknown)}; expected --cfg, --help or -h")
         if flags & {"--help", "-h"}:
-            print(command_help(args[0]))
+            topics = [a for a in args[1:] if a not in flags and "=" not in a]
+            print("\n\n".join(topic_help(args[0], t) for t in topics) if topics else command_help(args[0]))
             return 0
         overrides = [a for a in args[1:] if a not in flags]
         # compare's run directories may be plain arguments (dllm-rl compare runs/a runs/b): set after composing,

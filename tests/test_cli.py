@@ -235,3 +235,17 @@ def test_eval_of_a_runs_checkpoint_scores_the_runs_task_unless_another_is_named(
     assert "name: countdown" in capsys.readouterr().out
     assert cli.main(["eval", "--cfg", f"model={tmp_path}"]) == 0  # not a checkpoint: eval's own default
     assert "name: countdown" in capsys.readouterr().out
+
+
+def test_help_on_a_group_lists_its_keys_with_their_comments(capsys):
+    assert cli.main(["train", "--help", "workers"]) == 0
+    out = capsys.readouterr().out
+    assert "workers:" in out and "max_staleness: 0" in out and "# S: a group may be generated" in out
+    assert "steps=80" not in out  # only the group
+    assert cli.main(["train", "--help", "likelihood"]) == 0
+    out = capsys.readouterr().out
+    assert "likelihood=elbo:" in out and "num_masks: 4" in out and "likelihood=mean_field:" in out
+    assert cli.main(["train", "--help", "worker"]) == 2
+    assert "--help worker: not a group of dllm-rl train (did you mean 'workers'?)" in capsys.readouterr().err
+    assert cli.main(["train", "--help"]) == 0
+    assert "dllm-rl train --help <lora|sampler_correction|workers|mixing|" in capsys.readouterr().out
