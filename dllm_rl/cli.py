@@ -415,7 +415,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         doc, config_name, runner = pick(COMMANDS, args[0], "command")
-        quiet_libraries()
         flags = {a for a in args[1:] if a.startswith("-") and "=" not in a}
         if args[0] == "plan" and "--measure" in flags:  # the planner's one flag: measure=true
             flags.discard("--measure")
@@ -452,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         if "--cfg" in flags:
             print(OmegaConf.to_yaml(cfg, resolve=True), end="")
             return 0
+        quiet_libraries()  # here: help, --cfg and config errors need no transformers
         runner(to_plain(cfg) | ({"allow_changes": True} if allowed else {}))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

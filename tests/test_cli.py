@@ -249,3 +249,12 @@ def test_help_on_a_group_lists_its_keys_with_their_comments(capsys):
     assert "--help worker: not a group of dllm-rl train (did you mean 'workers'?)" in capsys.readouterr().err
     assert cli.main(["train", "--help"]) == 0
     assert "dllm-rl train --help <lora|sampler_correction|workers|mixing|" in capsys.readouterr().out
+
+
+def test_help_imports_neither_torch_nor_transformers():
+    """`import dllm_rl` registers the native model only once transformers' Auto classes load, so `--help` (and
+    `--cfg`, and a config error) costs the config files, not torch (seconds)."""
+    code = ("import sys; from dllm_rl import cli; cli.main(['train', '--help', 'workers']); "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "[]", out.stderr[-2000:]
