@@ -18,6 +18,7 @@ version and update count they were generated from. Ray is imported only here, an
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import shutil
 import socket
@@ -48,6 +49,9 @@ def start_ray(address: str | None = None, num_cpus: int | None = None, object_st
     options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False}
     if address is None:
         options.update(num_cpus=num_cpus, object_store_memory=object_store_mb * 2**20, _temp_dir=temp_dir)
+    # Ray turns token authentication on for a new local cluster (good) and warns that it did on every start; the
+    # warning is held back (RAY_AUTH_MODE=disabled in the environment still opts out, and other warnings show)
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     if address is None and temp_dir is not None:
         from dllm_rl.workers.reaper import start_reaper
 

@@ -204,14 +204,16 @@ def test_a_killed_starter_leaves_no_ray_process_and_no_session_directory(tmp_pat
     from dllm_rl.workers.reaper import uses
 
     session = Path(tempfile.mkdtemp(prefix="dllm-ray-", dir="/tmp"))  # Ray's sockets need a short path
-    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(session)], stdout=subprocess.PIPE, text=True,
-                              cwd=Path(__file__).resolve().parents[2])
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(session)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2], env=env)
     assert driver.stdout.readline().strip() == "ready"
     time.sleep(3)  # the agents are up
     agents = [p for p in psutil.process_iter() if uses(p, str(session)) and "Agent" in " ".join(p.cmdline())]
     assert agents  # what would outlive the driver
     driver.kill()
-    driver.wait()
+    _, err = driver.communicate()
+    assert "Token authentication is enabled" not in err  # token auth on, said explicitly: no warning on every run
     deadline = time.time() + 20
     while time.time() < deadline and (session.exists() or any(p.is_running() for p in agents)):
         time.sleep(0.2)
