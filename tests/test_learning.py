@@ -80,29 +80,39 @@ def run_here(tmp_path, name: str, **options) -> list[float]:
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD = ("import json, pathlib, sys; sys.path.insert(0, sys.argv[1]); from tests.test_learning import run_here; "
-         "run_here(pathlib.Path(sys.argv[2]), sys.argv[3], **json.loads(sys.argv[4]))")
+         "[run_here(pathlib.Path(sys.argv[2]), name, **options) for name, options in json.loads(sys.argv[3]).items()]")
 
 
-def run(tmp_path, name: str, **options) -> list[float]:
-    """One run in a fresh interpreter: a trajectory of many updates amplifies any change of float rounding, and in
-    the whole suite's process what earlier tests left behind (a library's global setting) changed one run's
-    rounding from its first update on (the `ordered` run rose +0.05 there against +0.146 alone, where it is
-    measured). A fresh process runs as scripts/learning_check.py measures."""
-    subprocess.run([sys.executable, "-c", CHILD, str(ROOT), str(tmp_path), name, json.dumps(options)], check=True,
-                   timeout=1200)
-    return rewards(tmp_path / name)
+def runs() -> dict[str, dict]:
+    """Every run the tests check, by name: each estimator's, and ERILS's (the default estimator with the solver's
+    rows)."""
+    out = {name: dict(steps=steps, lr=lr, **settings) for name, (settings, steps, lr) in ESTIMATORS.items()}
+    settings, steps, lr = ESTIMATORS[ERILS_ESTIMATOR]
+    out["erils"] = dict(steps=steps, lr=lr, **settings, external={"name": "solver"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def learned(tmp_path_factory) -> dict[str, list[float]]:
+    """Every run's on-policy training rewards, the runs one after another in one fresh interpreter: a trajectory of
+    many updates amplifies any change of float rounding, and in the whole suite's process what earlier tests left
+    behind (a library's global setting) changed one run's rounding from its first update on (the `ordered` run rose
+    +0.05 there against +0.146 alone, where it is measured). One interpreter for all of them runs as
+    scripts/learning_check.py measures (its runs, too, follow one another in one process), and pays its start-up
+    once."""
+    root = tmp_path_factory.mktemp("learning")
+    subprocess.run([sys.executable, "-c", CHILD, str(ROOT), str(root), json.dumps(runs())], check=True, timeout=2400)
+    return {name: rewards(root / name) for name in runs()}
 
 
 @pytest.mark.parametrize("estimator", list(ESTIMATORS))
-def test_on_policy_grpo_raises_the_training_reward(tmp_path, estimator):
-    settings, steps, lr = ESTIMATORS[estimator]
-    values = run(tmp_path, estimator, steps=steps, lr=lr, **settings)
+def test_on_policy_grpo_raises_the_training_reward(learned, estimator):
+    values = learned[estimator]
     assert rise(values) >= MARGIN, f"{estimator}: training reward {values}"
 
 
-def test_erils_raises_it_too(tmp_path):
+def test_erils_raises_it_too(learned):
     """The default run with the solver's verified rows added (ERILS): its on-policy training reward rises by the
     margin as well."""
-    settings, steps, lr = ESTIMATORS[ERILS_ESTIMATOR]
-    values = run(tmp_path, "erils", steps=steps, lr=lr, **settings, external={"name": "solver"})
+    values = learned["erils"]
     assert rise(values) >= MARGIN, f"ERILS: training reward {values}"

@@ -39,18 +39,25 @@ def metrics_of(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+def both_ways(task, tmp_path, monkeypatch, **extra):
+    """Two steps of `task` with SMALL's settings and `extra`, synchronously and piped (one minibatch, fp32);
+    the two run directories."""
+    options = dict(SMALL, steps=2, checkpoint_every=2, bf16=False, lr=1e-4, **extra)
+    options["minibatch_size"] = options["prompts_per_step"] * options["group_size"]
+    local, piped = tmp_path / "local", tmp_path / "piped"
+    train(task, run_dir=str(local), **options)
+    monkeypatch.setattr("dllm_rl.run_setup.remote_collect",
+                        lambda cfg, workers, task, learned, rollouts, prompts, collect, state:
+                        GroupsOneByOne(prompts, rollouts, task, cfg.group_size))
+    train(task, run_dir=str(piped), workers={"count": 1, "pipe": True}, **options)
+    return local, piped
+
+
 @pytest.mark.parametrize("extra", [{"external": {"name": "solver"}, "group_size": 3},
                                    {"algo": {**SMALL["algo"], "aggregation": "sequence", "beta": 0.05}}],
                          ids=["erils", "sequence+kl"])
 def test_a_piped_step_equals_the_synchronous_update(extra, saved_model, tmp_path, monkeypatch):
-    options = dict(SMALL, model=saved_model, steps=2, checkpoint_every=2, bf16=False, lr=1e-4, **extra)
-    options["minibatch_size"] = options["prompts_per_step"] * options["group_size"]
-    local, piped = tmp_path / "local", tmp_path / "piped"
-    train(DigitShare(), run_dir=str(local), **options)
-    monkeypatch.setattr("dllm_rl.run_setup.remote_collect",
-                        lambda cfg, workers, task, learned, rollouts, prompts, collect, state:
-                        GroupsOneByOne(prompts, rollouts, task, cfg.group_size))
-    train(DigitShare(), run_dir=str(piped), workers={"count": 1, "pipe": True}, **options)
+    local, piped = both_ways(DigitShare(), tmp_path, monkeypatch, model=saved_model, **extra)
     a, b, start = weights(latest_checkpoint(local)), weights(latest_checkpoint(piped)), weights(saved_model)
     assert any(not torch.equal(a[k], start[k]) for k in a)  # the run trained
     # Adam divides by sqrt(v): where a weight's gradient is near zero, the rounding of the sum's order (groups one
@@ -84,15 +91,8 @@ class HalfFlat(DigitShare):
 def test_a_piped_step_with_a_flat_group_equals_the_synchronous_update(beta, saved_model, tmp_path, monkeypatch):
     """A flat group's rows count towards the step's normaliser on both paths, and with beta > 0 its KL term is
     trained on both: the streamed gradient is the synchronous one, not scaled up by the share of flat rows."""
-    options = dict(SMALL, model=saved_model, steps=2, checkpoint_every=2, bf16=False, lr=1e-4, seed=1,
-                   algo={**SMALL["algo"], "beta": beta})
-    options["minibatch_size"] = options["prompts_per_step"] * options["group_size"]
-    local, piped = tmp_path / "local", tmp_path / "piped"
-    train(HalfFlat(), run_dir=str(local), **options)
-    monkeypatch.setattr("dllm_rl.run_setup.remote_collect",
-                        lambda cfg, workers, task, learned, rollouts, prompts, collect, state:
-                        GroupsOneByOne(prompts, rollouts, task, cfg.group_size))
-    train(HalfFlat(), run_dir=str(piped), workers={"count": 1, "pipe": True}, **options)
+    local, piped = both_ways(HalfFlat(), tmp_path, monkeypatch, model=saved_model, seed=1,
+                             algo={**SMALL["algo"], "beta": beta})
     ours, theirs = metrics_of(local), metrics_of(piped)
     assert [m["reward/zero_std_groups"] for m in ours] == [0.5, 0.5]  # one flat group, one with signal, per step
     a, b = weights(latest_checkpoint(local)), weights(latest_checkpoint(piped))
