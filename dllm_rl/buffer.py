@@ -51,7 +51,8 @@ class Rows:
     entropy_NC: torch.Tensor | None = None  # the entropy of the distribution it committed each token from (dLLM)
     clip_counts_N2: torch.Tensor | None = None  # per row: (clipped, counted) tokens over the step's updates
     adv_N: torch.Tensor | None = None
-    weight_N: torch.Tensor | None = None  # loss weight per row (None = 1)
+    weight_N: torch.Tensor | None = None  # loss weight per row (None = 1): the product of `factors` once one is set
+    factors: dict[str, torch.Tensor] = field(default_factory=dict)  # the named loss-weight factors (`weigh`)
     shaped: bool = False  # LUFFY policy shaping instead of the clipped surrogate
     inert: bool = False  # a stand-in row that is scored but counts for nothing (data_parallel.stand_in)
     shard: Shard | None = None  # where the rows sit among all ranks' rows of the source (data_parallel)
@@ -72,6 +73,18 @@ class Rows:
     def __len__(self) -> int:
         return self.ids_NL.shape[0]
 
+    def weigh(self, name: str, factor_N: torch.Tensor) -> None:
+        """Multiply the loss-weight factor `name` (SERA's multiplicity, GRPODropout's keep, the bandit's pick, the
+        sampler correction, ERILS's mixing weight and importance weight, ...) by `factor_N`. `weight_N`, what the
+        loss reads, is the product of the factors taken in name order, so the order in which the stages write
+        them does not change a bit of it; a weight set directly before any factor (a stand-in row's 0) is the
+        factor `base`."""
+        if self.weight_N is not None and not self.factors:
+            self.factors["base"] = self.weight_N
+        factor_N = factor_N.to(self.ids_NL.device, torch.float32)
+        self.factors[name] = factor_N if name not in self.factors else self.factors[name] * factor_N
+        self.weight_N = weight_product(self.factors)
+
     @property
     def keys(self) -> list[tuple[int, int]]:
         """(prompt id, rollout index) of every row."""
@@ -90,7 +103,7 @@ class Rows:
             rewards=[self.rewards[i] for i in picked] if self.rewards else [], texts=[self.texts[i] for i in picked],
             behaviour_logp_N=take(self.behaviour_logp_N), sampler_logp_NC=take(self.sampler_logp_NC),
             entropy_NC=take(self.entropy_NC),
-            adv_N=take(self.adv_N), weight_N=take(self.weight_N),
+            adv_N=take(self.adv_N), weight_N=take(self.weight_N), factors={k: take(v) for k, v in self.factors.items()},
             prompt_id_N=take(self.prompt_id_N), rollout_N=take(self.rollout_N))
 
     @property
@@ -148,7 +161,27 @@ def concat_rows(parts: list[Rows], pad_id: int) -> Rows:
         mask_NC=cat("mask_NC"), order_NC=cat("order_NC"), prompt_N=cat("prompt_N"),
         rewards=[r for p in parts for r in p.rewards], texts=[t for p in parts for t in p.texts],
         behaviour_logp_N=cat("behaviour_logp_N"), sampler_logp_NC=cat("sampler_logp_NC"), entropy_NC=cat("entropy_NC"),
-        adv_N=cat("adv_N"), weight_N=cat("weight_N"), prompt_id_N=cat("prompt_id_N"), rollout_N=cat("rollout_N"))
+        adv_N=cat("adv_N"), weight_N=cat("weight_N"), factors=concat_factors(parts),
+        prompt_id_N=cat("prompt_id_N"), rollout_N=cat("rollout_N"))
+
+
+def weight_product(factors: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """weight_N: the product of the named factors in name order (None without any)."""
+    out = None
+    for name in sorted(factors):
+        out = factors[name] if out is None else out * factors[name]
+    return out
+
+
+def concat_factors(parts: list[Rows]) -> dict[str, torch.Tensor]:
+    """The parts' weight factors, row after row: a factor a part lacks is 1 on its rows (a part with a weight set
+    directly and no factor has it as `base`). None at all where no part has a factor."""
+    if not any(p.factors for p in parts):
+        return {}
+    own = [p.factors or ({"base": p.weight_N} if p.weight_N is not None else {}) for p in parts]
+    names = sorted({name for factors in own for name in factors})
+    return {name: torch.cat([f[name] if name in f else torch.ones(len(p), device=p.ids_NL.device)
+                             for f, p in zip(own, parts)]) for name in names}
 
 
 def order_within_groups(group_N: torch.Tensor) -> torch.Tensor:

@@ -57,3 +57,55 @@ def test_pad_empty_scores_a_stand_in_row_that_counts_for_nothing():
         a, _ = grpo_loss(**inputs, aggregation=how, constant=4)
         b, _ = grpo_loss(**padded, aggregation=how, constant=4)
         assert torch.allclose(a, b)
+
+
+def test_loss_weights_are_named_factors_whose_product_does_not_depend_on_the_writers_order(make_rows):
+    """SERA's multiplicity, GRPODropout's keep, the bandit's pick and the sampler correction, written in every
+    order: the same weights to the bit. Multiplied in the order written, some orders round differently (the test
+    would catch a writer that multiplied in place again)."""
+    import itertools
+
+    g = torch.Generator().manual_seed(0)
+    factors = {"sera": torch.rand(64, generator=g) * 2, "dropout": (torch.rand(64, generator=g) > 0.2).float(),
+               "bandit": torch.rand(64, generator=g), "sampler_correction": torch.rand(64, generator=g) * 3}
+    weights, naive = set(), set()
+    for order in itertools.permutations(factors):
+        rows = make_rows("on_policy", 64)
+        product = torch.ones(64)
+        for name in order:
+            rows.weigh(name, factors[name])
+            product = product * factors[name]
+        weights.add(tuple(rows.weight_N.tolist()))
+        naive.add(tuple(product.tolist()))
+        assert set(rows.factors) == set(factors)
+    assert len(weights) == 1 and len(naive) > 1
+
+
+def test_weight_factors_follow_rows_through_select_and_concat(make_rows):
+    from dllm_rl.buffer import concat_rows
+
+    a, b = make_rows("on_policy", 4), make_rows("on_policy", 2)
+    a.weigh("sera", torch.tensor([0.5, 1.0, 2.0, 4.0]))
+    a.weigh("sera", torch.tensor([2.0, 2.0, 2.0, 2.0]))  # a factor written twice multiplies
+    b.weight_N = torch.zeros(2)  # set directly (a stand-in row): its factor `base`
+    merged = concat_rows([a, b], pad_id=0)
+    assert merged.factors["sera"].tolist() == [1.0, 2.0, 4.0, 8.0, 1.0, 1.0]
+    assert merged.factors["base"].tolist() == [1.0] * 4 + [0.0] * 2
+    assert merged.weight_N.tolist() == [1.0, 2.0, 4.0, 8.0, 0.0, 0.0]
+    picked = merged.select(torch.tensor([False, True, False, True, True, False]))
+    assert picked.factors["sera"].tolist() == [2.0, 8.0, 1.0] and picked.weight_N.tolist() == [2.0, 8.0, 0.0]
+    picked.weigh("bandit", torch.tensor([1.0, 0.0, 1.0]))
+    assert picked.weight_N.tolist() == [2.0, 0.0, 0.0]
+
+
+def test_each_weight_factor_is_logged_with_its_share_of_zeros(make_rows):
+    from dllm_rl.data.task import Reward
+    from dllm_rl.stages import source_metrics
+
+    rows = make_rows("on_policy", 4)
+    rows.rewards, rows.adv_N = [Reward(1.0, True, True, "ok")] * 4, torch.zeros(4)
+    rows.weigh("dropout", torch.tensor([1.0, 0.0, 1.0, 1.0]))
+    rows.weigh("sera", torch.tensor([0.5, 0.5, 1.5, 1.5]))
+    metrics = source_metrics(rows)
+    assert metrics["weight/on_policy/dropout"] == 0.75 and metrics["weight/on_policy/dropout_zeros"] == 0.25
+    assert metrics["weight/on_policy/sera"] == 1.0 and metrics["weight/on_policy/sera_zeros"] == 0.0

@@ -154,8 +154,7 @@ class Sera(Strategy):
         if on is None:
             return
         sizes = torch.tensor(batch.group_sizes, dtype=torch.float32, device=on.ids_NL.device)
-        weight_N = self.group_size / sizes[on.prompt_N]
-        on.weight_N = weight_N if on.weight_N is None else on.weight_N * weight_N
+        on.weigh("sera", self.group_size / sizes[on.prompt_N])
 
     def observe(self, records: list[GroupRecord]) -> None:
         for r in records:

@@ -49,7 +49,7 @@ class GrpoDropout(Strategy):
                               "curation/dropout_positive": float((on.adv_N > 0).sum())})
         on.adv_N = adv_N.to(on.adv_N.device)
         keep = keep_N.to(on.adv_N.device, on.adv_N.dtype)
-        on.weight_N = keep if on.weight_N is None else on.weight_N * keep
+        on.weigh("dropout", keep)
 
 
 class Echo(Strategy):
@@ -191,7 +191,7 @@ class Bandit(Strategy):
             if rows is not None:
                 keep_N = torch.tensor([(source, key) in self.picked_keys for key in rows.keys],
                                       device=rows.ids_NL.device, dtype=torch.float32)
-                rows.weight_N = keep_N if rows.weight_N is None else rows.weight_N * keep_N
+                rows.weigh("bandit", keep_N)
         chosen = [self.buffer[i - len(current)] for i in picked if i >= len(current)]
         rank, world = (0, 1) if self.dp is None else (self.dp.world.rank, self.dp.size)
         if chosen[rank::world]:

@@ -269,7 +269,7 @@ class ExternalMixer:
             on.adv_N = adv_on
         if ext is not None:
             ext.adv_N = adv_ext.to(torch.float32)
-            ext.weight_N = torch.full((len(ext),), c.weight, device=device)
+            ext.weigh("mixing", torch.full((len(ext),), c.weight, device=device))
         self.baseline = mixing.running_baseline(self.baseline, gather(ext_rewards)[0], c.baseline_decay)
 
     def importance_weights(self, ext: Rows | None, gather: Gather = local_only) -> dict[str, float]:
@@ -287,7 +287,7 @@ class ExternalMixer:
         level_logp_N = (old_logp * ext.mask_NC).sum(-1) if per_token else old_logp[:, 0]
         log_w_all, start = gather(level_logp_N.double() - ext.behaviour_logp_N)
         w_all, metrics = self._weights_metrics(log_w_all)
-        ext.weight_N = ext.weight_N * w_all[start:start + len(ext)].float()
+        ext.weigh("importance", w_all[start:start + len(ext)].float())
         return metrics
 
     def _weights_metrics(self, log_w_N: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:

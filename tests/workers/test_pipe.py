@@ -87,12 +87,16 @@ class HalfFlat(DigitShare):
         return super().reward(completion, ex)
 
 
-@pytest.mark.parametrize("beta", [0.0, 0.05])
-def test_a_piped_step_with_a_flat_group_equals_the_synchronous_update(beta, saved_model, tmp_path, monkeypatch):
-    """A flat group's rows count towards the step's normaliser on both paths, and with beta > 0 its KL term is
-    trained on both: the streamed gradient is the synchronous one, not scaled up by the share of flat rows."""
+@pytest.mark.parametrize("beta, extra", [(0.0, {}), (0.05, {}),
+                                         (0.0, {"external": {"name": "solver"}, "mixing": {"weight": 0.5}})],
+                         ids=["flat", "flat+kl", "flat+weights_below_one"])
+def test_a_piped_step_with_a_flat_group_equals_the_synchronous_update(beta, extra, saved_model, tmp_path,
+                                                                        monkeypatch):
+    """A flat group's rows count towards the step's normaliser on both paths (one `minibatch_units`), with beta > 0
+    its KL term is trained on both, and rows weighted below one (ERILS's mixing weight 0.5) count as their weight:
+    the streamed gradient is the synchronous one, not scaled up by the share of flat rows."""
     local, piped = both_ways(HalfFlat(), tmp_path, monkeypatch, model=saved_model, seed=1,
-                             algo={**SMALL["algo"], "beta": beta})
+                             algo={**SMALL["algo"], "beta": beta}, **extra)
     ours, theirs = metrics_of(local), metrics_of(piped)
     assert [m["reward/zero_std_groups"] for m in ours] == [0.5, 0.5]  # one flat group, one with signal, per step
     a, b = weights(latest_checkpoint(local)), weights(latest_checkpoint(piped))
