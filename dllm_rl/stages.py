@@ -4,7 +4,9 @@
     -> old/ref log-probs -> (sampler correction) -> update -> (after update) -> metrics (the checkpoint is the loop's)
 
 The stages up to "verify" are in `dllm_rl/collect.py` (with the `StepBatch`), the update in `dllm_rl/learner.py`,
-the held-out evaluation and the bandit's probe in `dllm_rl/held_out.py`, the rest here.
+the held-out evaluation and the bandit's probe in `dllm_rl/held_out.py`, the rest here. Their order after the
+rollouts is one list, `dllm_rl/step.py`, which the synchronous and the streamed step both run (a test checks that
+each stage's reads are written before it).
 
 | stage              | here                        | reads                        | writes                             |
 |--------------------|-----------------------------|------------------------------|------------------------------------|
@@ -39,6 +41,11 @@ decision on every rank), a row filter runs after "verify"; rollouts from workers
 replaces `CollectRollouts`, and with `workers.pipe` each group runs the stages from "external rollouts" to "update"
 alone as it arrives, dllm_rl/workers/pipe.py); a cached or parallel sampler is another `TextGenerator`-like object
 inside `InProcessRollouts` (anything with `sample(prompts, seeds) -> Samples`).
+
+A row's loss weight is a product of named factors (`Rows.weigh`: `sera`, `dropout`, `bandit`,
+`sampler_correction`, ERILS's `mixing` and `importance`), taken in name order, so the stages that write them may
+run in any order without changing a bit of it; each factor's mean and share of zeros is logged
+(`weight/<source>/<factor>`, `..._zeros`).
 
 Which rows are this rank's and where they sit among all ranks' rows is `dllm_rl.data_parallel`'s business;
 a stage that needs a global index reads it from `Rows.shard` or asks the `DataParallel` object it is given.
@@ -188,7 +195,7 @@ class SamplerCorrectionStage:
                                           order_NC=on.order_NC)
             weight_N, metrics = correction_weights(rollout_log_ratio(learner_NC, on.sampler_logp_NC, on.mask_NC),
                                                    self.config)
-            on.weight_N = weight_N if on.weight_N is None else on.weight_N * weight_N
+            on.weigh("sampler_correction", weight_N)
             if source == "on_policy":
                 batch.metrics.update(metrics)
 
@@ -200,9 +207,14 @@ ORDERED = build_estimator({"name": "ordered", "group": 1})
 
 
 def source_metrics(rows: Rows) -> dict[str, float]:
-    """reward/<source>, len/<source> and adv/<source> (mean advantage) for one source's rows."""
-    return {f"reward/{rows.source}": float(rows.rewards_N.mean()), f"len/{rows.source}": float(rows.lengths_N.mean()),
-            f"adv/{rows.source}": float(rows.adv_N.mean())}
+    """reward/<source>, len/<source> and adv/<source> (mean advantage) for one source's rows; and for each named
+    loss-weight factor its mean and share of zeros (weight/<source>/<factor>, weight/<source>/<factor>_zeros)."""
+    out = {f"reward/{rows.source}": float(rows.rewards_N.mean()), f"len/{rows.source}": float(rows.lengths_N.mean()),
+           f"adv/{rows.source}": float(rows.adv_N.mean())}
+    for name, factor_N in rows.factors.items():
+        out[f"weight/{rows.source}/{name}"] = float(factor_N.float().mean())
+        out[f"weight/{rows.source}/{name}_zeros"] = float((factor_N == 0).float().mean())
+    return out
 
 
 def flat_groups(rows: Rows) -> list[bool]:

@@ -45,13 +45,14 @@ import torch
 from tqdm import tqdm
 
 from dllm_rl.checkpoint import latest_checkpoint, save_checkpoint
-from dllm_rl.collect import StepBatch, observe_curation
+from dllm_rl.collect import StepBatch
 from dllm_rl.data.task import Task
 from dllm_rl.device import default_device
 from dllm_rl.engine import peers_answering, stop_together
 from dllm_rl.errors import Interrupted
 from dllm_rl.run_setup import Run, setup
 from dllm_rl.stages import sample_rows, step_metrics
+from dllm_rl.step import AFTER_UPDATE, BEFORE_UPDATE, UPDATE
 from dllm_rl.tracking import PhaseTimer, console_line
 from dllm_rl.train_config import TrainConfig
 from dllm_rl.workers.pipe import run_piped_step
@@ -111,28 +112,20 @@ def run_steps(run: Run) -> dict[str, float]:
 
 
 def run_step(run: Run, step: int, timer: PhaseTimer) -> tuple[StepBatch, dict[str, float]]:
-    """One step's stages, each timed: rollouts, external rows and advantages, scoring, the update (with
-    `workers.pipe`, each group's stages as it arrives: dllm_rl/workers/pipe.py)."""
-    dp = run.dp
+    """One step: the rollouts, then the stages of dllm_rl/step.py in order, each timed (with `workers.pipe`, each
+    group's stages as it arrives: dllm_rl/workers/pipe.py)."""
     if run.cfg.workers["pipe"]:
         return run_piped_step(run, step, timer)
     with timer("rollout"):
         batch = run.collect(step)  # choose prompts, allocate, generate, select, verify (rounds: dynamic sampling)
-    with timer("external"):
-        if run.external is not None:
-            run.external(batch)
-        run.advantages(batch)
-        run.curation.reweight(batch)  # GRPODropout: advantages and loss weights of whole groups
-        observe_curation(batch, run.curation, dp)
-    with timer("score"):
-        dp.shard_sources(batch.rows, run.estimators)
-        run.score(batch)
-        if run.correct is not None:
-            run.correct(batch)
-    with timer("update"):
+    for stage in BEFORE_UPDATE:
+        with timer(stage.phase):
+            stage.run(run, batch)
+    with timer(UPDATE.phase):
         update_metrics = run.learner.update(batch)
-        run.curation.after_update(batch)  # the bandit's feedback and replay buffer
-    return batch, step_metrics(batch, update_metrics, timer.metrics(), dp)
+        for stage in AFTER_UPDATE:
+            stage.run(run, batch)
+    return batch, step_metrics(batch, update_metrics, timer.metrics(), run.dp)
 
 
 def rollout_stage(run: Run):

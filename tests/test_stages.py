@@ -243,3 +243,46 @@ def test_two_rounds_merge_counts_and_seconds_by_sum_and_row_means_by_rows(make_r
     assert merged.metrics == {"rollout/forwards": 12.0, "rollout/publish_s": 0.75, "pool/fast/rollouts": 6.0,
                               "pool/fast/utilisation": pytest.approx((0.9 * 4 + 0.6 * 2) / 6)}
     assert len(merged.rows["on_policy"]) == 6 and merged.prompt_ids == [0, 1, 2]
+
+
+def test_the_step_is_one_list_whose_every_read_is_written_before_it():
+    """dllm_rl/step.py: walking the stages in order, what each reads was written by the collect stage or an earlier
+    stage; the streamed step runs the per-group ones, and none of those reads what only a step-wide stage writes."""
+    from dllm_rl.step import AFTER_UPDATE, BEFORE_UPDATE, COLLECTED, UPDATE
+
+    written, by_step_only = set(COLLECTED), set()
+    for stage in [*BEFORE_UPDATE, UPDATE, *AFTER_UPDATE]:
+        missing = set(stage.reads) - written
+        assert not missing, f"stage {stage.name!r} reads {sorted(missing)}, which no earlier stage writes"
+        if stage.per_group:
+            assert not set(stage.reads) & by_step_only - set(COLLECTED), stage.name
+        else:
+            by_step_only |= set(stage.writes) - written
+        written |= set(stage.writes)
+    assert [s.name for s in BEFORE_UPDATE if s.per_group] == ["external rollouts", "advantages", "shard",
+                                                              "old/ref log-probs", "sampler correction"]
+
+
+def test_a_stage_added_to_the_list_runs_on_both_paths(monkeypatch, saved_model, tmp_path):
+    """Adding a stage is one entry: a stage appended to the list runs in the synchronous step and, per group, in
+    the streamed one."""
+    from dllm_rl import step as step_list
+    from dllm_rl.step import Stage
+    from dllm_rl.train import train
+    from tests.conftest import DigitShare
+    from tests.test_train import SMALL
+    from tests.workers.test_pipe import GroupsOneByOne
+
+    seen = []
+    extra = Stage("count", "score", ("on_policy rows",), (), True, lambda run, batch: seen.append(len(batch.prompt_ids)))
+    monkeypatch.setattr(step_list, "BEFORE_UPDATE", [*step_list.BEFORE_UPDATE, extra])
+    monkeypatch.setattr("dllm_rl.train.BEFORE_UPDATE", step_list.BEFORE_UPDATE)
+    monkeypatch.setattr("dllm_rl.workers.pipe.BEFORE_UPDATE", step_list.BEFORE_UPDATE)
+    options = dict(SMALL, model=saved_model, steps=1, bf16=False, minibatch_size=8)
+    train(DigitShare(), run_dir=str(tmp_path / "sync"), **options)
+    assert seen == [2]  # the step's two prompts at once
+    monkeypatch.setattr("dllm_rl.run_setup.remote_collect",
+                        lambda cfg, workers, task, learned, rollouts, prompts, collect, state:
+                        GroupsOneByOne(prompts, rollouts, task, cfg.group_size))
+    train(DigitShare(), run_dir=str(tmp_path / "piped"), workers={"count": 1, "pipe": True}, **options)
+    assert seen == [2, 1, 1]  # then each group as it arrived

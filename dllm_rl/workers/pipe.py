@@ -27,6 +27,7 @@ import torch
 from dllm_rl.buffer import Rows, concat_rows
 from dllm_rl.collect import StepBatch
 from dllm_rl.stages import COUNTS, step_metrics
+from dllm_rl.step import AFTER_UPDATE, BEFORE_UPDATE
 from dllm_rl.tracking import PhaseTimer
 
 
@@ -35,21 +36,18 @@ def run_piped_step(run: Any, step: int, timer: PhaseTimer) -> tuple[StepBatch, d
     `PipelinedRollouts`)."""
     stage, dp = run.collect, run.dp
 
-    def prepare(group: StepBatch) -> None:
-        with timer("external"):
-            if run.external is not None:
-                run.external(group)
-            run.advantages(group)
-        with timer("score"):
-            dp.shard_sources(group.rows, run.estimators)
-            run.score(group)
-            if run.correct is not None:
-                run.correct(group)
+    def prepare(group: StepBatch) -> None:  # the step's stages that one group can run alone, in the step's order
+        for each in BEFORE_UPDATE:
+            if each.per_group:
+                with timer(each.phase):
+                    each.run(run, group)
 
     start = time.perf_counter()
     timer.current = "update"
     update_metrics, groups = run.learner.update_stream(stage.stream(step), prepare)
     batch = merge_groups(groups, run.learned.tokenizer.pad_token_id)
+    for each in AFTER_UPDATE:
+        each.run(run, batch)
     batch.metrics.update(stage.streamed)
     waited = stage.streamed["rollout/learner_wait_s"]
     busy = sum(timer.seconds.get(phase, 0.0) for phase in ("external", "score"))

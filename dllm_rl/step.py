@@ -1,0 +1,66 @@
+"""One description of the step: the stages that follow the rollouts, in order, each with what it reads and writes,
+the timer phase it counts towards, and whether it can run on one group alone.
+
+Every path runs this list. The synchronous step (`dllm_rl.train.run_step`) collects the step's batch, then runs
+`BEFORE_UPDATE` over it, `Learner.update`, then `AFTER_UPDATE`. The streamed step (`workers.pipe`,
+dllm_rl/workers/pipe.py) runs the stages of `BEFORE_UPDATE` marked `per_group` on each group as it arrives, its
+backward passes straight after (`Learner.update_stream`), and `AFTER_UPDATE` once at the end; the stages that need
+the whole step (curation's `reweight` and `observe`) are inactive there, since the config refuses curation with the
+pipe. Adding a stage is one entry in a list; `tests/test_stages.py` walks the lists and checks that what each stage
+reads is written before it (by the collect stage, `COLLECTED`, or an earlier entry).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from dllm_rl.collect import StepBatch, observe_curation
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    phase: str  # the PhaseTimer phase its seconds count towards (perf/<phase>_s)
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
+    per_group: bool  # it reads nothing beyond one group: the streamed step runs it on each group as it arrives
+    run: Callable[[Any, StepBatch], None] | None  # (the Run of dllm_rl/run_setup.py, the batch or a group); None:
+    # the update, which each path makes its own way (`Learner.update`, `Learner.update_stream`)
+
+
+# what `Run.collect` (choose prompts, allocate, generate, select, verify; dllm_rl/collect.py) leaves in the batch
+COLLECTED = ("prompts", "on_policy rows", "rewards", "sampler record", "visits")
+
+
+def _external(run, batch: StepBatch) -> None:
+    if run.external is not None:
+        run.external(batch)
+
+
+def _correct(run, batch: StepBatch) -> None:
+    if run.correct is not None:
+        run.correct(batch)
+
+
+BEFORE_UPDATE = [
+    Stage("external rollouts", "external", ("prompts", "rewards"), ("external rows",), True, _external),
+    Stage("advantages", "external", ("rewards", "external rows"), ("advantages", "loss weights"), True,
+          lambda run, batch: run.advantages(batch)),
+    Stage("reweight", "external", ("advantages", "sampler record"), ("advantages", "loss weights", "auxiliary rows"),
+          False, lambda run, batch: run.curation.reweight(batch)),
+    Stage("observe curation", "external", ("visits", "external rows"), ("curation state",), False,
+          lambda run, batch: observe_curation(batch, run.curation, run.dp)),
+    Stage("shard", "score", ("on_policy rows", "external rows"), ("shards",), True,
+          lambda run, batch: run.dp.shard_sources(batch.rows, run.estimators)),
+    Stage("old/ref log-probs", "score", ("shards", "advantages"), ("mask seeds", "old log-probs", "ref log-probs"),
+          True, lambda run, batch: run.score(batch)),
+    Stage("sampler correction", "score", ("on_policy rows", "sampler record"), ("loss weights", "correction"), True,
+          _correct),
+]
+UPDATE = Stage("update", "update", ("advantages", "loss weights", "mask seeds", "old log-probs", "ref log-probs",
+                                    "auxiliary rows"), ("policy",), False, None)
+AFTER_UPDATE = [
+    Stage("after update", "update", ("policy", "loss weights"), ("curation state",), False,
+          lambda run, batch: run.curation.after_update(batch)),  # the bandit's feedback and replay buffer
+]
