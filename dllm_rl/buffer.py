@@ -63,6 +63,7 @@ class Rows:
     # prompt's rollouts of this source. Hand-made rows without them are keyed by prompt_N and their order.
     prompt_id_N: torch.Tensor | None = None
     rollout_N: torch.Tensor | None = None
+    version_N: torch.Tensor | None = None  # each row's policy version where rows differ (replayed rows); else `version`
 
     def __post_init__(self) -> None:
         if self.prompt_id_N is None:
@@ -104,7 +105,7 @@ class Rows:
             behaviour_logp_N=take(self.behaviour_logp_N), sampler_logp_NC=take(self.sampler_logp_NC),
             entropy_NC=take(self.entropy_NC),
             adv_N=take(self.adv_N), weight_N=take(self.weight_N), factors={k: take(v) for k, v in self.factors.items()},
-            prompt_id_N=take(self.prompt_id_N), rollout_N=take(self.rollout_N))
+            prompt_id_N=take(self.prompt_id_N), rollout_N=take(self.rollout_N), version_N=take(self.version_N))
 
     @property
     def rewards_N(self) -> torch.Tensor:
@@ -162,7 +163,7 @@ def concat_rows(parts: list[Rows], pad_id: int) -> Rows:
         rewards=[r for p in parts for r in p.rewards], texts=[t for p in parts for t in p.texts],
         behaviour_logp_N=cat("behaviour_logp_N"), sampler_logp_NC=cat("sampler_logp_NC"), entropy_NC=cat("entropy_NC"),
         adv_N=cat("adv_N"), weight_N=cat("weight_N"), factors=concat_factors(parts),
-        prompt_id_N=cat("prompt_id_N"), rollout_N=cat("rollout_N"))
+        prompt_id_N=cat("prompt_id_N"), rollout_N=cat("rollout_N"), version_N=cat("version_N"))
 
 
 def weight_product(factors: dict[str, torch.Tensor]) -> torch.Tensor | None:

@@ -32,7 +32,9 @@ from dllm_rl.seeds import derive_seed
 
 @dataclass
 class StepBatch:
-    """What flows between the stages of one step, on one rank."""
+    """What flows between the stages of one step, on one rank. Each field has one writer (`dllm_rl.step.OWNERS`):
+    the collect stage the prompts, the on-policy rows and the visits; the external, replay and reweight stages
+    their rows; every stage its own keys of `metrics`."""
 
     step: int
     examples: list[Example]  # this rank's prompts
@@ -41,10 +43,9 @@ class StepBatch:
     group_sizes: list[int]  # on-policy rollouts asked for each prompt (a row filter may keep fewer)
     example_ids: list[int] = field(default_factory=list)  # each prompt's index in the train pool (`Drawn`)
     template: str = ""  # a prompt text of the step: a rank with no prompts makes its stand-in row from it
-    rows: dict[str, Rows] = field(default_factory=dict)  # per source: "on_policy" first, then "external"
+    rows: dict[str, Rows] = field(default_factory=dict)  # per source: "on_policy" first, "external", "replay"
     metrics: dict[str, float] = field(default_factory=dict)  # what the stages measured (external/*, ...)
     visits: list[GroupRecord] = field(default_factory=list)  # every group this rank generated (curation learns)
-    darts_changed: dict[int, bool] = field(default_factory=dict)  # prompt id -> DARTS's extras changed its group
     # auxiliary SFT rows by kind (echo clips): a kind a strategy makes is here on every rank, None where it has none
     auxiliary: dict[str, AuxRows | None] = field(default_factory=dict)
 
@@ -215,8 +216,7 @@ def group_records(batch: StepBatch) -> list[GroupRecord]:
     prompts = on.prompt_N.tolist()
     return [GroupRecord(batch.prompt_ids[b], batch.example_ids[b] if batch.example_ids else batch.prompt_ids[b],
                         [on.rewards[n].score for n in range(len(on)) if prompts[n] == b],
-                        [on.rewards[n].correct for n in range(len(on)) if prompts[n] == b],
-                        changed=batch.darts_changed.get(batch.prompt_ids[b], False))
+                        [on.rewards[n].correct for n in range(len(on)) if prompts[n] == b])
             for b in sorted(set(prompts))]
 
 
@@ -241,7 +241,7 @@ def merge_batches(first: StepBatch, later: StepBatch, pad_id: int) -> StepBatch:
     return StepBatch(first.step, first.examples + later.examples, first.prompt_texts + later.prompt_texts,
                      first.prompt_ids + later.prompt_ids, first.group_sizes + later.group_sizes,
                      first.example_ids + later.example_ids, first.template, {"on_policy": rows}, metrics,
-                     first.visits + later.visits, {**first.darts_changed, **later.darts_changed})
+                     first.visits + later.visits)
 
 
 @dataclass
@@ -303,5 +303,5 @@ def observe_curation(batch: StepBatch, curation: Curation, dp: DataParallel) -> 
         return
     ext = batch.real("external")
     external = {} if ext is None else {q: ext.prompt_id_N.tolist().count(q) for q in set(ext.prompt_id_N.tolist())}
-    mine = [dataclasses.replace(v, external=external.get(v.prompt_id, 0)) for v in batch.visits]
+    mine = curation.annotate([dataclasses.replace(v, external=external.get(v.prompt_id, 0)) for v in batch.visits])
     curation.observe([record for part in dp.gather_objects(mine) for record in part])

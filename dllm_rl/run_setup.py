@@ -35,6 +35,7 @@ from dllm_rl.seeds import derive_seed
 from dllm_rl.resume import decide_resume, read_run_config, record_resume, with_absolute_paths, write_run_config
 from dllm_rl.rollout.generate import TextGenerator
 from dllm_rl.curation import Bandit, Curation, build_curation, check_curation
+from dllm_rl.curation.replay import ReplaySource
 from dllm_rl.collect import CollectRollouts, InProcessRollouts, PromptSource, StepBatch, inference
 from dllm_rl.held_out import HeldOut, build_probe
 from dllm_rl.learner import Learner
@@ -151,6 +152,7 @@ class Run:
     collect: Callable[[int], StepBatch]  # step -> this rank's batch: prompts, allocation, on-policy rows, rewards
     curation: Curation  # which prompts get rollouts and how many, which stay (its state is saved with checkpoints)
     external: ExternalRollouts | None  # adds the external rows (ERILS)
+    replay: ReplaySource | None  # adds the rows the bandit picked from its replay buffer
     advantages: Callable[[StepBatch], None]
     estimators: dict[str, Any]  # the sources this run can have -> the estimator that scores them
     score: Callable[[StepBatch], None]  # mask seeds, old and reference log-probs
@@ -243,17 +245,17 @@ def setup(task: Task, cfg: TrainConfig, print_fn, saved_config: dict | None, all
                         autocast, print_fn)
 
 
-def curation_of(cfg: TrainConfig, task, tokenizer, policy, estimator, dp, generating, pool_size: int, external: bool,
+def curation_of(cfg: TrainConfig, task, tokenizer, policy, dp, generating, pool_size: int, external: bool,
                 window: int):
-    """The run's curation strategies, with what those that make rows need: the task and tokenizer (hindsight), and
-    for the bandit the data-parallel group, a held-out probe, the on-policy estimator and the pad id."""
+    """The run's curation strategies, with what some need: the task and tokenizer (hindsight), and for the bandit
+    the data-parallel group (its decisions are global) and a held-out probe (its reward)."""
     probe = None
     if "bandit" in check_curation(cfg.curation):
         config = Bandit.check(dict(cfg.curation["bandit"] or {}))
         probe = build_probe(task, tokenizer, policy, window, config.probe_prompts, cfg.seed, generating)
     return build_curation(cfg.curation, group_size=cfg.group_size, prompts_per_step=cfg.prompts_per_step,
                           seed=cfg.seed, pool_size=pool_size, external=external, task=task, tokenizer=tokenizer,
-                          dp=dp, probe=probe, estimator=estimator, pad_id=tokenizer.pad_token_id)
+                          dp=dp, probe=probe)
 
 
 def held_out_settings(sampler: dict[str, Any]) -> dict[str, Any]:
@@ -277,7 +279,7 @@ def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned,
         mixer.check_source(prompts.examples, print_fn)
     generating = lambda: inference(learned.net, engine, autocast)  # noqa: E731
     sampler = TextGenerator(policy, tokenizer, **cfg.sampler)
-    curation = curation_of(cfg, task, tokenizer, policy, estimator, dp, generating, len(prompts.examples),
+    curation = curation_of(cfg, task, tokenizer, policy, dp, generating, len(prompts.examples),
                            mixer is not None, sampler.gen_length)
     curation.load_state_dict(state["curation"])
     greedy = TextGenerator(policy, tokenizer, **held_out_settings(cfg.sampler))
@@ -309,6 +311,8 @@ def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned,
         collect=collect,
         curation=curation,
         external=external,
+        replay=ReplaySource(curation, estimator, tokenizer.pad_token_id, dp.world.rank, dp.size)
+        if curation.replays else None,
         advantages=functools.partial(assign_advantages, advantage=advantage, mixer=mixer, dp=dp),
         estimators={"on_policy": estimator, **({"external": mixer.estimator} if mixer is not None else {}),
                     **({"replay": estimator} if curation.replays else {})},

@@ -1,12 +1,14 @@
 """The stages of one RL step, each testable alone, with a `StepBatch` of plain data flowing between them.
 
     choose prompts -> (allocate) -> generate -> verify -> external rollouts -> advantages -> (reweight)
-    -> old/ref log-probs -> (sampler correction) -> update -> (after update) -> metrics (the checkpoint is the loop's)
+    -> (replayed rows) -> old/ref log-probs -> (sampler correction) -> update -> (after update) -> metrics
+    (the checkpoint is the loop's)
 
 The stages up to "verify" are in `dllm_rl/collect.py` (with the `StepBatch`), the update in `dllm_rl/learner.py`,
 the held-out evaluation and the bandit's probe in `dllm_rl/held_out.py`, the rest here. Their order after the
 rollouts is one list, `dllm_rl/step.py`, which the synchronous and the streamed step both run (a test checks that
-each stage's reads are written before it).
+each stage's reads are written before it), and `step.OWNERS` names the one stage that writes each field of the
+`StepBatch`.
 
 | stage              | here                        | reads                        | writes                             |
 |--------------------|-----------------------------|------------------------------|------------------------------------|
@@ -23,6 +25,9 @@ each stage's reads are written before it).
 |                    |                             | "generate"                   | in flight                          |
 | advantages         | `assign_advantages`         | rewards                      | adv_N (and external weights)       |
 | reweight           | `Curation.reweight`         | groups, the sampler's record | adv_N, weights, auxiliary SFT rows |
+|                    |                             |                              | (and the bandit's picks, its state)|
+| replayed rows      | `ReplaySource` (curation/   | the bandit's picks           | rows["replay"] (provenance,        |
+|                    | replay.py)                  |                              | version_N)                         |
 | old/ref log-probs  | `score_old_and_reference`   | rows, the sampler's record   | mask seeds, old_logp, ref_logp     |
 | sampler correction | `SamplerCorrectionStage`    | on-policy rows, sampler logp | their loss weights, correction/*   |
 | update             | `Learner.update`            | every row, the auxiliary     | the weights; loss and policy       |

@@ -32,10 +32,25 @@ class Stage:
 # what `Run.collect` (choose prompts, allocate, generate, select, verify; dllm_rl/collect.py) leaves in the batch
 COLLECTED = ("prompts", "on_policy rows", "rewards", "sampler record", "visits")
 
+# The one stage that writes each field of a `StepBatch` (each source's rows apart; "collect" is `Run.collect`).
+# Two kinds of write are not a field's: `metrics` is every stage's log (each stage its own keys), and a rank that
+# lacks a source the others have gets an inert stand-in row of it from the shard stage (`DataParallel.shard_sources`,
+# the data-parallel bookkeeping). What one strategy alone needs lives in its own state (DARTS's changed groups, the
+# bandit's picks), not in the batch. `tests/test_stages.py` checks this on a run.
+OWNERS = {"step": "collect", "examples": "collect", "prompt_texts": "collect", "prompt_ids": "collect",
+          "group_sizes": "collect", "example_ids": "collect", "template": "collect", "visits": "collect",
+          "rows[on_policy]": "collect", "rows[external]": "external rollouts", "rows[replay]": "replayed rows",
+          "auxiliary": "reweight"}
+
 
 def _external(run, batch: StepBatch) -> None:
     if run.external is not None:
         run.external(batch)
+
+
+def _replay(run, batch: StepBatch) -> None:
+    if run.replay is not None:
+        run.replay(batch)
 
 
 def _correct(run, batch: StepBatch) -> None:
@@ -47,11 +62,13 @@ BEFORE_UPDATE = [
     Stage("external rollouts", "external", ("prompts", "rewards"), ("external rows",), True, _external),
     Stage("advantages", "external", ("rewards", "external rows"), ("advantages", "loss weights"), True,
           lambda run, batch: run.advantages(batch)),
-    Stage("reweight", "external", ("advantages", "sampler record"), ("advantages", "loss weights", "auxiliary rows"),
-          False, lambda run, batch: run.curation.reweight(batch)),
+    Stage("reweight", "external", ("advantages", "sampler record"),
+          ("advantages", "loss weights", "auxiliary rows", "replay picks"), False,
+          lambda run, batch: run.curation.reweight(batch)),
+    Stage("replayed rows", "external", ("replay picks",), ("replay rows",), False, _replay),
     Stage("observe curation", "external", ("visits", "external rows"), ("curation state",), False,
           lambda run, batch: observe_curation(batch, run.curation, run.dp)),
-    Stage("shard", "score", ("on_policy rows", "external rows"), ("shards",), True,
+    Stage("shard", "score", ("on_policy rows", "external rows"), ("shards",), True,  # and every other source there
           lambda run, batch: run.dp.shard_sources(batch.rows, run.estimators)),
     Stage("old/ref log-probs", "score", ("shards", "advantages"), ("mask seeds", "old log-probs", "ref log-probs"),
           True, lambda run, batch: run.score(batch)),
@@ -59,7 +76,7 @@ BEFORE_UPDATE = [
           _correct),
 ]
 UPDATE = Stage("update", "update", ("advantages", "loss weights", "mask seeds", "old log-probs", "ref log-probs",
-                                    "auxiliary rows"), ("policy",), False, None)
+                                    "auxiliary rows", "replay rows"), ("policy",), False, None)
 AFTER_UPDATE = [
     Stage("after update", "update", ("policy", "loss weights"), ("curation state",), False,
           lambda run, batch: run.curation.after_update(batch)),  # the bandit's feedback and replay buffer

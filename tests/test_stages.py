@@ -286,3 +286,45 @@ def test_a_stage_added_to_the_list_runs_on_both_paths(monkeypatch, saved_model, 
                         GroupsOneByOne(prompts, rollouts, task, cfg.group_size))
     train(DigitShare(), run_dir=str(tmp_path / "piped"), workers={"count": 1, "pipe": True}, **options)
     assert seen == [2, 1, 1]  # then each group as it arrived
+
+
+def test_each_field_of_the_batch_is_written_by_its_one_owner(monkeypatch, saved_model, tmp_path):
+    """dllm_rl/step.py's OWNERS: on a run with every source (on-policy, the solver's external rows, the bandit's
+    replayed rows) and hindsight's auxiliary rows, each field of the batch changes only in the stage that owns it
+    (metrics are every stage's log; inert stand-ins the shard stage's)."""
+    from dllm_rl import step as step_list
+    from dllm_rl.collect import StepBatch
+    from dllm_rl.train import train
+    from tests.conftest import DigitRelabel
+
+    plain = [f.name for f in dataclasses.fields(StepBatch) if f.name not in ("rows", "metrics", "auxiliary")]
+    stages = [*step_list.BEFORE_UPDATE, step_list.UPDATE, *step_list.AFTER_UPDATE]
+    assert set(step_list.OWNERS) == {*plain, "auxiliary", "rows[on_policy]", "rows[external]", "rows[replay]"}
+    assert set(step_list.OWNERS.values()) <= {"collect"} | {s.name for s in stages}
+
+    def fingerprint(batch):
+        out = {name: repr(getattr(batch, name)) for name in plain}
+        out["auxiliary"] = repr(sorted((k, id(v)) for k, v in batch.auxiliary.items()))
+        out.update({f"rows[{s}]": id(batch.real(s)) for s in ("on_policy", "external", "replay")})
+        return out
+
+    seen = set()
+
+    def watched(stage):
+        def run(run_, batch):
+            before = fingerprint(batch)
+            stage.run(run_, batch)
+            changed = {k for k, v in fingerprint(batch).items() if v != before[k]}
+            assert all(step_list.OWNERS[k] == stage.name for k in changed), (stage.name, changed)
+            seen.update(changed)
+        return dataclasses.replace(stage, run=run)
+
+    monkeypatch.setattr("dllm_rl.train.BEFORE_UPDATE", [watched(s) for s in step_list.BEFORE_UPDATE])
+    monkeypatch.setattr("dllm_rl.train.AFTER_UPDATE", [watched(s) for s in step_list.AFTER_UPDATE])
+    train(DigitRelabel(), model=saved_model, run_dir=str(tmp_path / "run"), steps=3, bf16=False,
+          curation={"bandit": {"capacity": 8, "max_age": 2}, "hindsight": {}}, external={"name": "solver"},
+          mixing={"keep": "all"},
+          rollout={"gen_length": 32, "block_length": 16, "steps": 16, "temperature": 1.0}, prompts_per_step=4,
+          group_size=2, minibatch_size=8, train_pool=4, eval_every=0, sample_every=0, tensorboard=False, lr=1e-3,
+          print_fn=lambda *_: None)
+    assert {"rows[external]", "rows[replay]", "auxiliary"} <= seen  # each owner wrote its field on this run

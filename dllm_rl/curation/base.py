@@ -5,7 +5,10 @@
   rank (a function of the drawn prompts, the state and seeds);
 - `select(batch)`: this rank's freshly generated rows (whole groups), before verifying: rows to keep, weights;
 - `reweight(batch)`: this rank's rows (whole groups) once their advantages are set: advantages, loss weights,
-  auxiliary SFT rows (`StepBatch.auxiliary`), replayed rows;
+  auxiliary SFT rows (`StepBatch.auxiliary`), the picks of replayed rows (which the replay stage makes,
+  dllm_rl/curation/replay.py);
+- `annotate(records)`: this rank's groups of the step, with what the strategy noted about them in its own state
+  (DARTS: whether its extra rollouts changed the kept set), before they are gathered;
 - `observe(records)`: every rank's groups of the step (`GroupRecord`, gathered, in prompt id order);
 - `after_update(batch)`: after the step's update (the bandit's feedback and replay buffer);
 - `state_dict()` / `load_state_dict()`: plain values, saved with every checkpoint.
@@ -62,6 +65,9 @@ class Strategy:
 
     def reweight(self, batch) -> None:
         pass
+
+    def annotate(self, records: list[GroupRecord]) -> list[GroupRecord]:
+        return records
 
     def observe(self, records: list[GroupRecord]) -> None:
         pass

@@ -4,6 +4,8 @@ dllm_rl/curation/teach.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any
 
 import torch
@@ -190,6 +192,7 @@ class Darts(Strategy):
                  external: bool = False):
         self.config, self.group_size = config, group_size
         self.delta: dict[int, int] = {}  # example id -> its extra rollouts
+        self.changed: dict[int, bool] = {}  # this step's prompt ids (this rank's) -> the extras changed the kept set
 
     def delta_of(self, example_id: int) -> int:
         return self.delta.get(example_id, self.config.delta)
@@ -210,8 +213,12 @@ class Darts(Strategy):
             rows = sorted((n for n in range(len(on)) if prompts[n] == b), key=lambda n: rollouts[n])
             kept = [rows[k] for k in darts.keep_best([score_N[n] for n in rows], self.group_size)]
             keep_N[kept] = True
-            batch.darts_changed[batch.prompt_ids[b]] = any(rollouts[n] >= self.group_size for n in kept)
+            self.changed[batch.prompt_ids[b]] = any(rollouts[n] >= self.group_size for n in kept)
         batch.rows["on_policy"] = on.select(keep_N)
+
+    def annotate(self, records: list[GroupRecord]) -> list[GroupRecord]:
+        changed, self.changed = self.changed, {}  # the step's, this rank's: gathered with the records
+        return [dataclasses.replace(r, changed=changed.get(r.prompt_id, False)) for r in records]
 
     def observe(self, records: list[GroupRecord]) -> None:
         c = self.config
@@ -310,6 +317,13 @@ class Curation:
             return None
         return dynamic_sampling.groups_to_keep(informative, self.prompts_per_step)
 
+    def annotate(self, records: list[GroupRecord]) -> list[GroupRecord]:
+        """This rank's groups of the step with what the strategies noted about them (their own state), before
+        every rank's are gathered for `observe`."""
+        for s in self.strategies:
+            records = s.annotate(records)
+        return records
+
     def observe(self, records: list[GroupRecord]) -> None:
         for s in self.strategies:
             s.observe(sorted(records, key=lambda r: r.prompt_id))
@@ -320,8 +334,12 @@ class Curation:
 
     @property
     def replays(self) -> bool:
-        """Whether a strategy adds replayed rows (the "replay" source) to the step."""
+        """Whether a strategy picks replayed rows (the "replay" source, dllm_rl/curation/replay.py) for the step."""
         return any(isinstance(s, Bandit) for s in self.strategies)
+
+    def replayed(self) -> list[dict]:
+        """The replay buffer entries picked for this step (by `reweight`), in the same order on every rank."""
+        return [e for s in self.strategies if isinstance(s, Bandit) for e in s.replayed]
 
     def metrics(self) -> dict[str, float]:
         """What curation did this step (the same on every rank)."""

@@ -8,8 +8,9 @@ import torch
 from dllm_rl.algo.auxiliary import AuxRows
 from dllm_rl.buffer import Rows
 from dllm_rl.curation import bandit, echo, grpo_dropout, hindsight
+from dllm_rl.curation.replay import clip_of, entry_of
 from dllm_rl.curation.base import Strategy
-from dllm_rl.data.task import Reward, render_prompt
+from dllm_rl.data.task import render_prompt
 from dllm_rl.errors import require
 from dllm_rl.rollout.sampler import left_pad
 from dllm_rl.seeds import derive_seed
@@ -148,25 +149,26 @@ def group_outcomes(rows: Rows) -> dict[int, bool]:
 class Bandit(Strategy):
     """The contextual rollout bandit with replay (dllm_rl/curation/bandit.py). Its decisions are global: every
     rank gathers every rank's candidates and takes the same choice; the replay buffer is the same on every rank
-    (gathered after each update), and a picked replayed row goes to rank i % world by its place among the picks."""
+    (gathered after each update). It decides; the replay stage (`dllm_rl.curation.replay.ReplaySource`) turns
+    the picked buffer entries (`replayed`) into the step's "replay" rows."""
 
     name, config_class = "bandit", bandit.BanditConfig
 
     def __init__(self, config: bandit.BanditConfig, *, group_size: int, seed: int, pool_size: int,
-                 external: bool = False, dp=None, probe=None, estimator=None, pad_id: int | None = None):
-        require(probe is not None and estimator is not None and pad_id is not None,
-                "curation=bandit needs the trainer's held-out probe, the on-policy estimator and the pad id")
-        self.config, self.dp, self.probe, self.estimator, self.pad_id = config, dp, probe, estimator, pad_id
+                 external: bool = False, dp=None, probe=None):
+        require(probe is not None, "curation=bandit needs the trainer's held-out probe")
+        self.config, self.probe = config, probe
+        self.gather = (lambda obj: [obj]) if dp is None else dp.gather_objects
         self.scorer = bandit.LinearScorer(len(bandit.FEATURES), config.ridge,
                                           config.alpha if config.scorer == "ucb" else 0.0)
-        self.buffer: list[dict] = []  # plain entries (`entry_of`), key order, the same on every rank
+        self.buffer: list[dict] = []  # plain entries (`replay.entry_of`), key order, the same on every rank
         self.last_probe: float | None = None
-        self.picked: list[list[float]] = []  # the features of the step's picks, until its reward is known
+        # the step's decision, until its update is done: the picks' features (their reward is the probe's change),
+        # their keys, the buffer entries picked for replay (global order), this rank's rows dropped before the bandit
+        self.picked: list[list[float]] = []
         self.picked_keys: set[tuple[str, tuple[int, int]]] = set()
-        self.dropped: set[tuple[str, tuple[int, int]]] = set()  # this rank's rows dropped before the bandit
-
-    def gather(self, obj) -> list:
-        return [obj] if self.dp is None else self.dp.gather_objects(obj)
+        self.replayed: list[dict] = []
+        self.dropped: set[tuple[str, tuple[int, int]]] = set()
 
     def reweight(self, batch) -> None:
         if self.last_probe is None:  # before the first update (and after a resume, from the checkpoint)
@@ -192,15 +194,12 @@ class Bandit(Strategy):
                 keep_N = torch.tensor([(source, key) in self.picked_keys for key in rows.keys],
                                       device=rows.ids_NL.device, dtype=torch.float32)
                 rows.weigh("bandit", keep_N)
-        chosen = [self.buffer[i - len(current)] for i in picked if i >= len(current)]
-        rank, world = (0, 1) if self.dp is None else (self.dp.world.rank, self.dp.size)
-        if chosen[rank::world]:
-            batch.rows["replay"] = self.replay_rows(chosen[rank::world], batch.rows["on_policy"].ids_NL.device)
+        self.replayed = [self.buffer[i - len(current)] for i in picked if i >= len(current)]
         batch.metrics.update({"curation/bandit_picked": float(len(picked)),
-                              "curation/bandit_replayed": float(len(chosen)),
-                              "curation/bandit_left_out": float(len(current) - (len(picked) - len(chosen))),
-                              "curation/bandit_age_mean": sum(batch.step - e["version"] for e in chosen)
-                              / max(len(chosen), 1)})
+                              "curation/bandit_replayed": float(len(self.replayed)),
+                              "curation/bandit_left_out": float(len(current) - (len(picked) - len(self.replayed))),
+                              "curation/bandit_age_mean": sum(batch.step - e["version"] for e in self.replayed)
+                              / max(len(self.replayed), 1)})
 
     def candidate(self, rows: Rows, n: int, step: int) -> bandit.Candidate:
         counted = rows.mask_NC[n] != 0
@@ -218,24 +217,6 @@ class Bandit(Strategy):
             age=step - e["version"], max_age=self.config.max_age, uses=e["uses"], external=False,
             reward=e["reward"][0], advantage=e["adv"], length=sum(e["mask"]) / len(e["mask"]), entropy=entropy,
             clip=e["clip"]), entropy)
-
-    def replay_rows(self, entries: list[dict], device) -> Rows:
-        """The picked replayed rows of this rank, as a "replay" source scored by the on-policy estimator with
-        their stored mask seeds."""
-        ids_NP, mask_NP = left_pad([e["prompt"] for e in entries], self.pad_id, device)
-        window_NC = torch.tensor([e["window"] for e in entries], dtype=torch.long, device=device)
-        floats = lambda name: torch.tensor([e[name] for e in entries], dtype=torch.float32, device=device)  # noqa: E731
-        rows = Rows("replay", torch.cat([ids_NP, window_NC], 1), torch.cat([mask_NP, torch.ones_like(window_NC)], 1),
-                    ids_NP.shape[1], floats("mask"), torch.tensor([e["order"] for e in entries], device=device),
-                    torch.zeros(len(entries), dtype=torch.long, device=device),
-                    [Reward(*e["reward"]) for e in entries], [e["text"] for e in entries],
-                    version=min(e["version"] for e in entries), estimator=self.estimator,
-                    sampler_logp_NC=floats("sampler_logp"), entropy_NC=floats("entropy"), adv_N=floats("adv"),
-                    weight_N=torch.ones(len(entries), device=device),
-                    prompt_id_N=torch.tensor([e["key"][0] for e in entries], device=device),
-                    rollout_N=torch.tensor([e["key"][1] for e in entries], device=device))
-        rows.mask_seeds = [[e["seeds"][it] for e in entries] for it in range(len(entries[0]["seeds"]))]
-        return rows
 
     def after_update(self, batch) -> None:
         """The probe's change is the reward of the step's picks; then the buffer takes the step's on-policy rows
@@ -264,21 +245,3 @@ class Bandit(Strategy):
         self.scorer.load_state_dict(state["scorer"])
         self.buffer, self.last_probe = [dict(e) for e in state["buffer"]], state["last_probe"]
 
-
-def clip_of(rows: Rows, n: int) -> float:
-    """Row n's clip fraction over the step's updates (0 where it was not trained on)."""
-    if rows.clip_counts_N2 is None or float(rows.clip_counts_N2[n, 1]) == 0:
-        return 0.0
-    return float(rows.clip_counts_N2[n, 0] / rows.clip_counts_N2[n, 1])
-
-
-def entry_of(rows: Rows, n: int, used: bool) -> dict:
-    """A replay buffer entry (plain values) of on-policy row n: what scoring it again takes, and its record."""
-    prompt = rows.ids_NL[n, : rows.prompt_length][rows.attention_mask_NL[n, : rows.prompt_length] != 0]
-    r = rows.rewards[n]
-    return {"key": list(rows.keys[n]), "version": rows.version, "prompt": prompt.tolist(),
-            "window": rows.ids_NL[n, rows.prompt_length:].tolist(), "mask": rows.mask_NC[n].tolist(),
-            "order": rows.order_NC[n].tolist(), "sampler_logp": rows.sampler_logp_NC[n].tolist(),
-            "entropy": rows.entropy_NC[n].tolist(), "reward": [r.score, r.correct, r.formatted, r.reason],
-            "text": rows.texts[n], "adv": float(rows.adv_N[n]), "uses": int(used),
-            "clip": clip_of(rows, n) if used else 0.0, "seeds": [s[n] for s in rows.mask_seeds]}

@@ -8,13 +8,13 @@ import torch
 
 from dllm_rl.curation import build_curation
 from dllm_rl.curation.bandit import BanditConfig, Candidate, LinearScorer, kept, select
+from dllm_rl.curation.replay import ReplaySource
 from dllm_rl.data.task import Reward
 from dllm_rl.errors import ConfigError
-from dllm_rl.likelihood.estimators import build_estimator
 from dllm_rl.train import train
 from tests.conftest import DigitPass
 from tests.test_micro_batches import learner_of, step_of
-from tests.test_stages import ARITHMETIC, batch_of
+from tests.test_stages import ARITHMETIC, MEAN_FIELD, batch_of
 
 
 def test_the_scorer_is_ridge_regression_with_linucbs_width_by_hand():
@@ -75,13 +75,19 @@ def test_the_bandit_decides_alike_from_the_same_state_and_replays_within_its_cap
     def run(steps):
         probes = iter([0.0, 0.1, 0.05, 0.3, 0.2, 0.4])
         curation = build_curation({"bandit": {"capacity": 3, "max_age": 2, "rows": 3}}, group_size=2,
-                                  prompts_per_step=2, seed=0, pool_size=8, probe=lambda: next(probes),
-                                  estimator=build_estimator({"name": "mean_field"}), pad_id=0)
+                                  prompts_per_step=2, seed=0, pool_size=8, probe=lambda: next(probes))
+        source = ReplaySource(curation, MEAN_FIELD, pad_id=0, rank=0, world=1)
         out = []
         for step in range(steps):
             batch = bandit_batch(make_rows, step)
-            curation.reweight(batch)
+            curation.reweight(batch)  # the bandit decides (its state) ...
+            assert "replay" not in batch.rows
+            source(batch)  # ... and the replay stage makes the rows
             replay = batch.rows.get("replay")
+            if replay is not None:  # each row's provenance: the rollout it was, the version that made it
+                assert replay.source == "replay" and replay.estimator is MEAN_FIELD
+                assert replay.version_N.tolist() == [q // 2 for q, _ in replay.keys]
+                assert replay.version == min(replay.version_N.tolist())
             out.append((batch.rows["on_policy"].weight_N.tolist(), None if replay is None else replay.keys,
                         dict(batch.metrics)))
             curation.after_update(batch)
@@ -131,8 +137,7 @@ def test_rows_an_earlier_strategy_dropped_are_neither_picked_nor_replayed(make_r
     """GRPODropout acts first however the strategies are listed; a row it dropped (weight 0) is no candidate of the
     bandit and never enters its replay buffer."""
     curation = build_curation({"bandit": {"capacity": 8, "max_age": 4}, "grpo_dropout": {}}, group_size=2,
-                              prompts_per_step=2, seed=0, pool_size=8, probe=lambda: 0.0,
-                              estimator=build_estimator({"name": "mean_field"}), pad_id=0)
+                              prompts_per_step=2, seed=0, pool_size=8, probe=lambda: 0.0)
     assert curation.names == ["grpo_dropout", "bandit"]
     bandit = curation.strategies[1]
     batch = bandit_batch(make_rows, 0)

@@ -180,9 +180,11 @@ def test_darts_keeps_exactly_g_per_prompt_by_its_score(make_rows):
     batch.rows["on_policy"] = rows
     d.select(batch)
     kept = batch.rows["on_policy"]
-    assert kept.keys == [(0, 1), (0, 2), (2, 0), (2, 1)] and batch.darts_changed == {0: True, 2: False}
+    assert kept.keys == [(0, 1), (0, 2), (2, 0), (2, 1)] and d.changed == {0: True, 2: False}
     assert darts.keep_best([0.5, 0.5, 0.5], 2) == [0, 1]  # ties: the lower index
-    d.observe([GroupRecord(0, 0, [], [], changed=True), GroupRecord(2, 2, [], [], changed=False)])
+    records = d.annotate([GroupRecord(0, 0, [], []), GroupRecord(2, 2, [], [])])  # DARTS notes its own decision
+    assert [r.changed for r in records] == [True, False] and d.changed == {}
+    d.observe(records)
     assert d.delta == {0: 3, 2: 1}
     assert darts.next_delta(4, True, 0, 4) == 4 and darts.next_delta(0, False, 0, 4) == 0
 
