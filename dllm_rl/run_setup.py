@@ -34,12 +34,13 @@ from dllm_rl.precision import resolve_bf16
 from dllm_rl.seeds import derive_seed
 from dllm_rl.resume import decide_resume, read_run_config, record_resume, with_absolute_paths, write_run_config
 from dllm_rl.rollout.generate import TextGenerator
-from dllm_rl.curation import Bandit, Curation, build_curation, check_curation
+from dllm_rl.curation import Bandit, build_curation, check_curation
 from dllm_rl.curation.replay import ReplaySource
-from dllm_rl.collect import CollectRollouts, InProcessRollouts, PromptSource, StepBatch, inference
+from dllm_rl.collect import CollectRollouts, InProcessRollouts, PromptSource, inference
 from dllm_rl.held_out import HeldOut, build_probe
 from dllm_rl.learner import Learner
 from dllm_rl.stages import ExternalRollouts, SamplerCorrectionStage, assign_advantages, score_old_and_reference
+from dllm_rl.step import StepParts
 from dllm_rl.tracking import NullTracker, Tracker, run_header
 from dllm_rl.train_config import TrainConfig, engine_options, split_algo
 from dllm_rl.workers.config import WorkersConfig
@@ -139,25 +140,16 @@ def load_learner(cfg: TrainConfig, world: World, ds_options: dict[str, Any], che
 
 @dataclass
 class Run:
-    """Everything the loop needs: the config, where results go, the stages and the loop's own state."""
+    """Everything the loop needs: the config, where results go, the step's stages and the loop's own state."""
 
     cfg: TrainConfig
     task: Task
-    dp: DataParallel
     run_dir: Path
     tracker: Tracker
     learned: Learned
     state: dict[str, Any]  # step, data_position, bad_steps, external_baseline: saved with checkpoints
     prompts: PromptSource  # the stream of train prompts (its position is saved with checkpoints)
-    collect: Callable[[int], StepBatch]  # step -> this rank's batch: prompts, allocation, on-policy rows, rewards
-    curation: Curation  # which prompts get rollouts and how many, which stay (its state is saved with checkpoints)
-    external: ExternalRollouts | None  # adds the external rows (ERILS)
-    replay: ReplaySource | None  # adds the rows the bandit picked from its replay buffer
-    advantages: Callable[[StepBatch], None]
-    estimators: dict[str, Any]  # the sources this run can have -> the estimator that scores them
-    score: Callable[[StepBatch], None]  # mask seeds, old and reference log-probs
-    correct: Callable[[StepBatch], None] | None  # the sampler-learner correction (Sparse-RL), or None
-    learner: Learner
+    parts: StepParts  # the step's stages (collect ... update), what dllm_rl/step.py's list runs; no config in it
     held_out: HeldOut
     mixer: Any  # the ExternalMixer (its running baseline is saved with checkpoints), or None
     print_fn: Callable[[str], None]
@@ -305,9 +297,7 @@ def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned,
     if workers.size > 0:  # last: nothing after it can fail before `train` owns the workers (and stops them)
         print_fn(describe_pools(workers.pool_list()))
         collect = remote_collect(cfg, workers, task, learned, rollouts, prompts, collect, state)
-    return Run(
-        cfg, task, dp, run_dir, tracker, learned, state,
-        prompts=prompts,
+    parts = StepParts(
         collect=collect,
         curation=curation,
         external=external,
@@ -322,9 +312,8 @@ def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned,
                                 replay=cfg.replay_rollout_logp and replays_rollout(estimator, cfg.sampler),
                                 micro_rows=cfg.micro_batch_rows),
         correct=SamplerCorrectionStage(correction, policy, generating) if correction.on else None,
-        learner=learner,
-        held_out=held_out,
-        mixer=mixer, print_fn=print_fn)
+        learner=learner, dp=dp, pad_id=tokenizer.pad_token_id, piped=bool(cfg.workers["pipe"]))
+    return Run(cfg, task, run_dir, tracker, learned, state, prompts, parts, held_out, mixer, print_fn)
 
 
 def remote_collect(cfg: TrainConfig, workers: WorkersConfig, task, learned: Learned, rollouts: InProcessRollouts,

@@ -25,11 +25,31 @@ class Stage:
     reads: tuple[str, ...]
     writes: tuple[str, ...]
     per_group: bool  # it reads nothing beyond one group: the streamed step runs it on each group as it arrives
-    run: Callable[[Any, StepBatch], None] | None  # (the Run of dllm_rl/run_setup.py, the batch or a group); None:
+    run: Callable[[StepParts, StepBatch], None] | None  # (the step's parts, the batch or a group); None:
     # the update, which each path makes its own way (`Learner.update`, `Learner.update_stream`)
 
 
-# what `Run.collect` (choose prompts, allocate, generate, select, verify; dllm_rl/collect.py) leaves in the batch
+@dataclass
+class StepParts:
+    """The step's stages as the run built them: what every stage and both step paths are handed. No config in
+    here: a stage uses what it was built with, and the config's keys are read only at the edge (dllm_rl/run_setup.py)
+    and by the loop (dllm_rl/train.py)."""
+
+    collect: Callable[[int], StepBatch]  # step -> this rank's batch: prompts, allocation, on-policy rows, rewards
+    curation: Any  # a Curation: which prompts get rollouts and how many, which stay
+    external: Any  # ExternalRollouts (ERILS), or None
+    replay: Any  # ReplaySource (the bandit's replayed rows), or None
+    advantages: Callable[[StepBatch], None]
+    estimators: dict[str, Any]  # the sources this run can have -> the estimator that scores them
+    score: Callable[[StepBatch], None]  # mask seeds, old and reference log-probs
+    correct: Callable[[StepBatch], None] | None  # the sampler-learner correction (Sparse-RL), or None
+    learner: Any  # a Learner
+    dp: Any  # the DataParallel bookkeeping
+    pad_id: int
+    piped: bool  # workers.pipe: each group's stages and backward passes as it arrives (dllm_rl/workers/pipe.py)
+
+
+# what `StepParts.collect` (choose prompts, allocate, generate, select, verify; dllm_rl/collect.py) leaves in the batch
 COLLECTED = ("prompts", "on_policy rows", "rewards", "sampler record", "visits")
 
 # The one stage that writes each field of a `StepBatch` (each source's rows apart; "collect" is `Run.collect`).
@@ -43,35 +63,35 @@ OWNERS = {"step": "collect", "examples": "collect", "prompt_texts": "collect", "
           "auxiliary": "reweight"}
 
 
-def _external(run, batch: StepBatch) -> None:
-    if run.external is not None:
-        run.external(batch)
+def _external(parts: StepParts, batch: StepBatch) -> None:
+    if parts.external is not None:
+        parts.external(batch)
 
 
-def _replay(run, batch: StepBatch) -> None:
-    if run.replay is not None:
-        run.replay(batch)
+def _replay(parts: StepParts, batch: StepBatch) -> None:
+    if parts.replay is not None:
+        parts.replay(batch)
 
 
-def _correct(run, batch: StepBatch) -> None:
-    if run.correct is not None:
-        run.correct(batch)
+def _correct(parts: StepParts, batch: StepBatch) -> None:
+    if parts.correct is not None:
+        parts.correct(batch)
 
 
 BEFORE_UPDATE = [
     Stage("external rollouts", "external", ("prompts", "rewards"), ("external rows",), True, _external),
     Stage("advantages", "external", ("rewards", "external rows"), ("advantages", "loss weights"), True,
-          lambda run, batch: run.advantages(batch)),
+          lambda parts, batch: parts.advantages(batch)),
     Stage("reweight", "external", ("advantages", "sampler record"),
           ("advantages", "loss weights", "auxiliary rows", "replay picks"), False,
-          lambda run, batch: run.curation.reweight(batch)),
+          lambda parts, batch: parts.curation.reweight(batch)),
     Stage("replayed rows", "external", ("replay picks",), ("replay rows",), False, _replay),
     Stage("observe curation", "external", ("visits", "external rows"), ("curation state",), False,
-          lambda run, batch: observe_curation(batch, run.curation, run.dp)),
+          lambda parts, batch: observe_curation(batch, parts.curation, parts.dp)),
     Stage("shard", "score", ("on_policy rows", "external rows"), ("shards",), True,  # and every other source there
-          lambda run, batch: run.dp.shard_sources(batch.rows, run.estimators)),
+          lambda parts, batch: parts.dp.shard_sources(batch.rows, parts.estimators)),
     Stage("old/ref log-probs", "score", ("shards", "advantages"), ("mask seeds", "old log-probs", "ref log-probs"),
-          True, lambda run, batch: run.score(batch)),
+          True, lambda parts, batch: parts.score(batch)),
     Stage("sampler correction", "score", ("on_policy rows", "sampler record"), ("loss weights", "correction"), True,
           _correct),
 ]
@@ -79,5 +99,5 @@ UPDATE = Stage("update", "update", ("advantages", "loss weights", "mask seeds", 
                                     "auxiliary rows", "replay rows"), ("policy",), False, None)
 AFTER_UPDATE = [
     Stage("after update", "update", ("policy", "loss weights"), ("curation state",), False,
-          lambda run, batch: run.curation.after_update(batch)),  # the bandit's feedback and replay buffer
+          lambda parts, batch: parts.curation.after_update(batch)),  # the bandit's feedback and replay buffer
 ]

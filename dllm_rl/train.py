@@ -52,7 +52,7 @@ from dllm_rl.engine import peers_answering, stop_together
 from dllm_rl.errors import Interrupted
 from dllm_rl.run_setup import Run, setup
 from dllm_rl.stages import sample_rows, step_metrics
-from dllm_rl.step import AFTER_UPDATE, BEFORE_UPDATE, UPDATE
+from dllm_rl.step import AFTER_UPDATE, BEFORE_UPDATE, UPDATE, StepParts
 from dllm_rl.tracking import PhaseTimer, console_line
 from dllm_rl.train_config import TrainConfig
 from dllm_rl.workers.pipe import run_piped_step
@@ -76,14 +76,14 @@ def train(task: Task, *, saved_config: dict[str, Any] | None = None, allow_chang
         finally:  # rollout workers (and a Ray this run started) stop with the run, however it ends
             close_rollouts(run)
     run.tracker.close()
-    if run.dp.world.is_main:
+    if run.parts.dp.world.is_main:
         run.print_fn(run_summary(run.run_dir))
     return metrics
 
 
 def run_steps(run: Run) -> dict[str, float]:
     """The loop: each step's stages, then metrics, samples, evaluation and checkpoint."""
-    cfg, dp = run.cfg, run.dp
+    cfg, dp = run.cfg, run.parts.dp
     if run.state["step"] == 0 and cfg.eval_every > 0:
         with peers_answering(lambda: "the evaluation before step 1", lambda: resume_hint(run)):
             before = run.held_out()
@@ -96,7 +96,7 @@ def run_steps(run: Run) -> dict[str, float]:
         for step in bar:
             timer = PhaseTimer()
             with peers_answering(lambda: f"the {timer.current} phase of step {step + 1}", lambda: resume_hint(run)):
-                batch, metrics = run_step(run, step, timer)
+                batch, metrics = run_step(run.parts, step, timer)
                 timer.current = "evaluation, logging and checkpoint"
                 record_step(run, step, batch, metrics)
                 stopping = dp.any(stop.requested)  # a collective too: a peer lost here is named like the others
@@ -106,31 +106,31 @@ def run_steps(run: Run) -> dict[str, float]:
                         checkpoint(run, done)
             if stopping:
                 raise Interrupted(f"interrupted after step {step + 1} of {cfg.steps}; " + (
-                    f"checkpoint_every=0 keeps no checkpoint, so the run cannot be resumed" if cfg.checkpoint_every == 0
+                    "checkpoint_every=0 keeps no checkpoint, so the run cannot be resumed" if cfg.checkpoint_every == 0
                     else f"the checkpoint of step {step + 1} is written: continue with resume={run.run_dir}"))
     return metrics
 
 
-def run_step(run: Run, step: int, timer: PhaseTimer) -> tuple[StepBatch, dict[str, float]]:
+def run_step(parts: StepParts, step: int, timer: PhaseTimer) -> tuple[StepBatch, dict[str, float]]:
     """One step: the rollouts, then the stages of dllm_rl/step.py in order, each timed (with `workers.pipe`, each
     group's stages as it arrives: dllm_rl/workers/pipe.py)."""
-    if run.cfg.workers["pipe"]:
-        return run_piped_step(run, step, timer)
+    if parts.piped:
+        return run_piped_step(parts, step, timer)
     with timer("rollout"):
-        batch = run.collect(step)  # choose prompts, allocate, generate, select, verify (rounds: dynamic sampling)
+        batch = parts.collect(step)  # choose prompts, allocate, generate, select, verify (rounds: dynamic sampling)
     for stage in BEFORE_UPDATE:
         with timer(stage.phase):
-            stage.run(run, batch)
+            stage.run(parts, batch)
     with timer(UPDATE.phase):
-        update_metrics = run.learner.update(batch)
+        update_metrics = parts.learner.update(batch)
         for stage in AFTER_UPDATE:
-            stage.run(run, batch)
-    return batch, step_metrics(batch, update_metrics, timer.metrics(), run.dp)
+            stage.run(parts, batch)
+    return batch, step_metrics(batch, update_metrics, timer.metrics(), parts.dp)
 
 
 def rollout_stage(run: Run):
     """What generates the rollouts: the collect stage's rollouts, or an asynchronous collect stage itself."""
-    return getattr(run.collect, "rollouts", run.collect)
+    return getattr(run.parts.collect, "rollouts", run.parts.collect)
 
 
 def policy_version(run: Run) -> int:
@@ -166,11 +166,11 @@ def resume_hint(run: Run) -> str:
 def record_step(run: Run, step: int, batch: StepBatch, metrics: dict[str, float]) -> None:
     """After the update: the loop's state, held-out evaluation, the logs, the console line and, when one is due,
     a checkpoint."""
-    cfg, state, learner, done = run.cfg, run.state, run.learner, step + 1
+    cfg, state, learner, done = run.cfg, run.state, run.parts.learner, step + 1
     state.update(step=done, data_position=run.prompts.position, trained_after=run.prompts.trained_after(),
                  bad_steps=learner.bad_steps,
                  external_baseline=run.mixer.baseline if run.mixer is not None else 0.0,
-                 curation=run.curation.state_dict(), policy_version=policy_version(run))
+                 curation=run.parts.curation.state_dict(), policy_version=policy_version(run))
     state.update(drawn_ahead(run))  # asynchronous rollouts draw prompts ahead of the step
     if cfg.eval_every > 0 and (done % cfg.eval_every == 0 or done == cfg.steps):
         metrics.update(run.held_out())
@@ -190,7 +190,7 @@ def checkpoint_due(cfg, done: int) -> bool:
 
 def checkpoint(run: Run, done: int) -> None:
     """A checkpoint of the run after step `done` (every rank calls it)."""
-    learner = run.learner
+    learner = run.parts.learner
     synced = learner.reference.model if learner.reference is not None and run.cfg.ref_sync_every > 0 else None
     save_checkpoint(run.run_dir, done, learner.engine, learner.scheduler, dict(run.state),
                     keep_last=run.cfg.keep_checkpoints, tokenizer=run.learned.tokenizer, reference=synced)
@@ -228,7 +228,7 @@ class StopRequest:
 def progress_bar(run: Run) -> tqdm:
     """The steps left, as a progress bar on rank 0 (the other ranks iterate silently)."""
     return tqdm(range(run.state["step"], run.cfg.steps), initial=run.state["step"], total=run.cfg.steps,
-                desc="train", unit="step", disable=None if run.dp.world.is_main else True)
+                desc="train", unit="step", disable=None if run.parts.dp.world.is_main else True)
 
 
 def run_summary(run_dir: Path, window: int = 10) -> str:

@@ -20,34 +20,32 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
-
 import torch
 
 from dllm_rl.buffer import Rows, concat_rows
 from dllm_rl.collect import StepBatch
 from dllm_rl.stages import COUNTS, step_metrics
-from dllm_rl.step import AFTER_UPDATE, BEFORE_UPDATE
+from dllm_rl.step import AFTER_UPDATE, BEFORE_UPDATE, StepParts
 from dllm_rl.tracking import PhaseTimer
 
 
-def run_piped_step(run: Any, step: int, timer: PhaseTimer) -> tuple[StepBatch, dict[str, float]]:
-    """One step of `dllm_rl.train.run_step` with its groups streamed into the update (`run.collect` is a
+def run_piped_step(parts: StepParts, step: int, timer: PhaseTimer) -> tuple[StepBatch, dict[str, float]]:
+    """One step of `dllm_rl.train.run_step` with its groups streamed into the update (`parts.collect` is a
     `PipelinedRollouts`)."""
-    stage, dp = run.collect, run.dp
+    stage, dp = parts.collect, parts.dp
 
     def prepare(group: StepBatch) -> None:  # the step's stages that one group can run alone, in the step's order
         for each in BEFORE_UPDATE:
             if each.per_group:
                 with timer(each.phase):
-                    each.run(run, group)
+                    each.run(parts, group)
 
     start = time.perf_counter()
     timer.current = "update"
-    update_metrics, groups = run.learner.update_stream(stage.stream(step), prepare)
-    batch = merge_groups(groups, run.learned.tokenizer.pad_token_id)
+    update_metrics, groups = parts.learner.update_stream(stage.stream(step), prepare)
+    batch = merge_groups(groups, parts.pad_id)
     for each in AFTER_UPDATE:
-        each.run(run, batch)
+        each.run(parts, batch)
     batch.metrics.update(stage.streamed)
     waited = stage.streamed["rollout/learner_wait_s"]
     busy = sum(timer.seconds.get(phase, 0.0) for phase in ("external", "score"))
