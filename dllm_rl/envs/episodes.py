@@ -16,7 +16,7 @@ All live episodes of the step take their turn in one sampler call (in lockstep),
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable
+from typing import Any, Callable
 
 import torch
 
@@ -111,7 +111,8 @@ def episode_advantages(rows: Rows, episodes: list[Episode], max_turns: int, adva
                        **options: Any) -> torch.Tensor:
     """adv_N of the turn rows: each group's episode advantages from their returns (`algo.advantage`, the same
     estimators as single-turn rows), then each turn's by `credit` (grpo: broadcast; gigpo; crbc), read back by
-    the rows' keys (made with the environment's `max_turns`). `options` go to `step_credit.turn_advantages` (gamma, beta, sigma_min, w_episode, w_step)."""
+    the rows' keys (made with the environment's `max_turns`). `options` go to `step_credit.turn_advantages`
+    (gamma, beta, sigma_min, w_episode, w_step)."""
     groups = sorted({ep.prompt_id for ep in episodes})
     returns_E = torch.tensor([ep.total for ep in episodes], dtype=torch.float32)
     group_E = torch.tensor([groups.index(ep.prompt_id) for ep in episodes])

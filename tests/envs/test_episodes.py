@@ -82,8 +82,10 @@ def test_the_history_keeps_the_last_k_records():
     assert turn_prompt("Reach 3.", records, "n=2", keep=0) == "Reach 3.\nObservation: n=2\nAction: "
 
 
-@pytest.mark.parametrize("config", [{"name": name} for name in ESTIMATORS] + [{"name": "elbo", "masking": "fixed_count"}],
-                         ids=lambda c: "_".join(map(str, c.values())))
+ESTIMATOR_CONFIGS = [{"name": name} for name in ESTIMATORS] + [{"name": "elbo", "masking": "fixed_count"}]
+
+
+@pytest.mark.parametrize("config", ESTIMATOR_CONFIGS, ids=lambda c: "_".join(map(str, c.values())))
 def test_no_estimator_masks_a_context_position_of_a_turn_row(tiny_policy, char_tokenizer, monkeypatch, config):
     rows, episodes = played(tiny_policy, char_tokenizer)
     rows.estimator = build_estimator(config)
