@@ -45,6 +45,14 @@ def run_tasks(cfg: dict[str, Any]) -> None:
     from dllm_rl.data.preview import preview_tasks
     from dllm_rl.data.tokenizers import load_tokenizer
 
+    env = cfg.pop("env", {"name": "none"})
+    if env.get("name", "none") != "none":  # a multi-turn environment instead of the task
+        from dllm_rl.envs.task import EnvConfig, preview_env
+
+        check_kwargs(EnvConfig, env, "env")
+        options = {k: cfg[k] for k in ("n", "split", "seed", "check") if k in cfg}
+        preview_env(EnvConfig(**env), **options)
+        return
     task = build_task(**cfg.pop("task"))
     tokenizer = load_tokenizer(cfg.pop("tokenizer", None))
     check_kwargs(preview_tasks, cfg, "")

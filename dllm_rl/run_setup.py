@@ -36,6 +36,8 @@ from dllm_rl.resume import decide_resume, read_run_config, record_resume, with_a
 from dllm_rl.rollout.generate import TextGenerator
 from dllm_rl.curation import Bandit, build_curation, check_curation
 from dllm_rl.curation.replay import ReplaySource
+from dllm_rl.envs.collect import CollectEpisodes, EpisodeHeldOut, assign_turn_advantages
+from dllm_rl.envs.task import EnvTask
 from dllm_rl.collect import CollectRollouts, InProcessRollouts, PromptSource, inference
 from dllm_rl.held_out import HeldOut, build_probe
 from dllm_rl.learner import Learner
@@ -205,11 +207,16 @@ def setup(task: Task, cfg: TrainConfig, print_fn, saved_config: dict | None, all
             f"(micro_batch_rows bounds the rows of a pass with any estimator)")
     if mixer is not None:
         loss_options["shaping_gamma"] = mixer.config.shaping_gamma
+    env = cfg.environment()
+    if env.on:  # a multi-turn run: the environment is the task (dllm_rl/envs/task.py)
+        task = EnvTask(env)
     splits = describe_splits(task, needed=("train", "test") if cfg.eval_every > 0 else ("train",))
     print_fn = print_fn if world.is_main else (lambda *_: None)
     if splits:
         print_fn(splits)
-    dp = DataParallel(world, cfg.prompts_per_step, cfg.group_size, cfg.minibatch_size, ds_options.get("stage", 0))
+    # a multi-turn step holds up to max_turns rows per episode (its minibatches count turn rows)
+    rows_per_group = cfg.group_size * (task.max_turns if env.on else 1)
+    dp = DataParallel(world, cfg.prompts_per_step, rows_per_group, cfg.minibatch_size, ds_options.get("stage", 0))
     run_dir, checkpoint = starting_point(cfg, task, world)
     restart = cfg.resume is not None and checkpoint is None  # stopped before its first checkpoint
     if restart:
@@ -290,6 +297,12 @@ def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned,
     collect = CollectRollouts(prompts, rollouts, task, curation, dp, pad_id=tokenizer.pad_token_id,
                               before_generate=external.prefetch if external is not None else None)
     held_out = HeldOut(greedy, sampler, task, tokenizer, cfg.eval_prompts, cfg.eval_samples, cfg.seed, generating)
+    advantages = functools.partial(assign_advantages, advantage=advantage, mixer=mixer, dp=dp)
+    if isinstance(task, EnvTask):  # multi-turn: episodes in, advantages per turn (the config refuses what does not fit)
+        collect = CollectEpisodes(prompts, rollouts, task, tokenizer, cfg.group_size, tokenizer.pad_token_id)
+        held_out = EpisodeHeldOut(InProcessRollouts(greedy, estimator, cfg.seed, generating), task, tokenizer,
+                                  cfg.eval_prompts, cfg.seed, tokenizer.pad_token_id, generating)
+        advantages = functools.partial(assign_turn_advantages, advantage=advantage, task=task)
     if mixer is not None and cfg.eval_every > 0 and cfg.eval_external_samples > 0:
         held_out.external_solved = external_solves(mixer.source, task, held_out.examples(), cfg.eval_external_samples,
                                                    cfg.seed)
@@ -303,7 +316,7 @@ def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned,
         external=external,
         replay=ReplaySource(curation, estimator, tokenizer.pad_token_id, dp.world.rank, dp.size)
         if curation.replays else None,
-        advantages=functools.partial(assign_advantages, advantage=advantage, mixer=mixer, dp=dp),
+        advantages=advantages,
         estimators={"on_policy": estimator, **({"external": mixer.estimator} if mixer is not None else {}),
                     **({"replay": estimator} if curation.replays else {})},
         score=functools.partial(score_old_and_reference, policy=policy, reference=learned.reference,

@@ -20,6 +20,7 @@ from typing import Any, Iterator
 
 # The console line: (metric key, label, format); missing keys are skipped.
 CONSOLE_FIELDS = [
+    ("env/success", "success", "{:.3f}"), ("env/turns", "turns", "{:.1f}"), ("env/invalid", "invalid", "{:.2f}"),
     ("reward/on_policy", "reward", "{:.3f}"), ("reward/accuracy", "acc", "{:.3f}"),
     ("reward/external", "ext", "{:.3f}"), ("external/rows", "ext_rows", "{:.0f}"), ("loss/kl", "kl", "{:.4f}"),
     ("policy/clip_frac", "clip", "{:.3f}"), ("len/on_policy", "len", "{:.1f}"), ("eval/pass@1", "eval", "{:.3f}"),

@@ -29,6 +29,7 @@ from dllm_rl.engine import ENGINE_OPTIONS, deepspeed_config
 from dllm_rl.errors import check_kwargs, check_ranges, check_types, pick, require
 from dllm_rl.external.mixer import MixingConfig, external_likelihood
 from dllm_rl.external.sources import check_source_options
+from dllm_rl.envs.task import EnvConfig
 from dllm_rl.likelihood.estimators import build_estimator, replays_rollout
 from dllm_rl.optim import LR_SCHEDULES
 from dllm_rl.policy.lora import LORA_DEFAULTS, check_lora
@@ -52,6 +53,7 @@ GROUP_DEFAULTS: dict[str, dict[str, Any]] = {
     "logger": {"name": "tensorboard"},
     "curation": {},  # none: every prompt gets group_size rollouts (dllm_rl/curation/)
     "workers": dataclasses.asdict(WorkersConfig()),
+    "env": {"name": "none"},  # none: a single-turn task; else a multi-turn environment (dllm_rl/envs/task.py)
 }
 
 
@@ -103,6 +105,7 @@ class TrainConfig:
     logger: dict[str, Any] = _group("logger")
     curation: dict[str, Any] = _group("curation")
     workers: dict[str, Any] = _group("workers")
+    env: dict[str, Any] = _group("env")
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> TrainConfig:
@@ -166,6 +169,7 @@ class TrainConfig:
         check_kwargs(SamplerCorrection, self.sampler_correction, "sampler_correction")
         self.correction()
         self.check_workers()
+        self.check_env()
         require(not (self.lora["r"] > 0 and self.ref_sync_every > 0),
                 f"ref_sync_every={self.ref_sync_every} with lora.r={self.lora['r']}: with LoRA the reference is the "
                 f"base model (the adapter switched off), which never moves; set ref_sync_every=0")
@@ -183,6 +187,26 @@ class TrainConfig:
             check_kwargs(MixingConfig, self.mixing, "mixing")
             likelihood = MixingConfig(**self.mixing).likelihood
             build_estimator(external_likelihood(estimator.config, likelihood), "mixing.likelihood")
+
+    def environment(self) -> EnvConfig:
+        """The `env` group: a multi-turn environment, or none."""
+        check_kwargs(EnvConfig, self.env, "env")
+        check_types(EnvConfig, self.env, "env")
+        return EnvConfig(**self.env)
+
+    def check_env(self) -> None:
+        """A multi-turn run, and what it cannot be combined with yet (named)."""
+        env = self.environment()
+        if not env.on:
+            return
+        for key, off, why in (
+                ("external", self.external.get("name") == "none", "ERILS's external episodes are not built for "
+                 "multi-turn runs yet; set external=none"),
+                ("curation", not check_curation(self.curation), "the curation strategies decide on single-turn "
+                 "groups; set curation=none"),
+                ("workers", WorkersConfig(**self.workers).size == 0, "rollout workers generate single-turn "
+                 "rollouts; set workers.count=0 (episodes are played in the learner's process)")):
+            require(off, f"env={env.name} with {key}={getattr(self, key)!r}: {why}")
 
     def check_workers(self) -> None:
         """The `workers` group, and what rollout workers cannot yet be combined with (named)."""

@@ -2,6 +2,8 @@ from pathlib import Path
 
 import pytest
 
+from dllm_rl.envs import Env
+
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
@@ -173,3 +175,33 @@ class DigitRelabel(DigitPass):
         from dllm_rl.data.task import Example
 
         return Example(self.name, f"{ex.uid}|{share / 2:.4f}", ex.question, ex.answer, {"threshold": share / 2})
+
+
+class Counter(Env):
+    """A user's environment for the multi-turn tests (by import path: env.name=tests.conftest:Counter), with short
+    texts for a tiny model's context: count from 0 or 1 up to 3; any text with a u says up, with a d
+    down."""
+
+    name, max_turns = "counter", 4
+
+    def _reset(self, rng):
+        self.n = rng.randint(0, 1)
+
+    def describe(self):
+        return "Reach 3."
+
+    def observe(self):
+        return f"n={self.n}"
+
+    def parse(self, text):
+        return "up" if "u" in text else "down" if "d" in text else None
+
+    def apply(self, move):
+        self.n += 1 if move == "up" else -1
+        return "success" if self.n == 3 else None
+
+    def anchor(self):
+        return self.n
+
+    def solve(self):
+        return ["up"] * (3 - self.n)

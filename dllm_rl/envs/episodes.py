@@ -66,11 +66,12 @@ class Episode:
 
 
 def play_episodes(rollouts: Any, make_env: Callable[[], Env], starts: list[tuple[int, int, int]], group_size: int,
-                  step: int, keep: int = 2, pad_id: int = 0) -> tuple[Rows, list[Episode]]:
+                  step: int, keep: int = 2, pad_id: int = 0,
+                  render: Callable[[str], str] = lambda text: text) -> tuple[Rows, list[Episode]]:
     """The step's episodes and their turn rows: `starts` holds (batch index, prompt id, environment seed) per
     prompt, each played `group_size` times; `rollouts` is an `InProcessRollouts` (its generator, estimator and
-    seed). Rows in the order turns were taken (round by round), each with its turn's reward record: the episode's
-    success as its score."""
+    seed); `render` makes a turn prompt what the model reads (a chat template). Rows in the order turns were taken
+    (round by round), each with its turn's reward record: the episode's success as its score."""
     episodes, envs, observations = [], [], []
     for b, q, env_seed in starts:
         for g in range(group_size):
@@ -82,7 +83,7 @@ def play_episodes(rollouts: Any, make_env: Callable[[], Env], starts: list[tuple
     parts: list[tuple[Rows, list[int]]] = []
     live = list(range(len(episodes)))
     while live:
-        prompts = [turn_prompt(envs[i].describe(), episodes[i].records, observations[i], keep) for i in live]
+        prompts = [render(turn_prompt(envs[i].describe(), episodes[i].records, observations[i], keep)) for i in live]
         keys = [(episodes[i].batch_index, episodes[i].prompt_id,
                  turn_key(episodes[i].rollout, len(episodes[i].turns), T)) for i in live]
         seeds = [derive_seed(rollouts.seed, "rollout", step, q, *split_key(k, T)) for _, q, k in keys]

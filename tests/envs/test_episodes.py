@@ -9,41 +9,12 @@ import torch
 
 from dllm_rl.algo.advantages import group_advantages
 from dllm_rl.collect import InProcessRollouts
-from dllm_rl.envs import Env
 from dllm_rl.envs.episodes import episode_advantages, play_episodes, split_key, turn_prompt
 from dllm_rl.likelihood.estimators import ESTIMATORS, build_estimator
 from dllm_rl.rollout.generate import TextGenerator
+from tests.conftest import Counter
 
 MEAN_FIELD = build_estimator({"name": "mean_field"})
-
-
-class Counter(Env):
-    """Short texts for a tiny model's context: count from 0 or 1 up to 3; any text with a u says up, with a d
-    down."""
-
-    name, max_turns = "counter", 4
-
-    def _reset(self, rng):
-        self.n = rng.randint(0, 1)
-
-    def describe(self):
-        return "Reach 3."
-
-    def observe(self):
-        return f"n={self.n}"
-
-    def parse(self, text):
-        return "up" if "u" in text else "down" if "d" in text else None
-
-    def apply(self, move):
-        self.n += 1 if move == "up" else -1
-        return "success" if self.n == 3 else None
-
-    def anchor(self):
-        return self.n
-
-    def solve(self):
-        return ["up"] * (3 - self.n)
 
 
 def played(tiny_policy, char_tokenizer, starts=((0, 10, 7), (1, 11, 8)), group_size=3, temperature=1.0):

@@ -1,0 +1,75 @@
+"""Multi-turn runs through the trainer (env=..., dllm_rl/envs/collect.py): the step's stage list on turn rows with
+each credit, held-out success, an exact resume, and what is refused by name."""
+
+import json
+
+import pytest
+
+from dllm_rl.errors import ConfigError
+from dllm_rl.train import train
+from dllm_rl.train_config import TrainConfig
+from tests.conftest import Counter, DigitPass, weights_checksum
+
+OPTIONS = dict(rollout={"gen_length": 8, "block_length": 8, "steps": 4, "temperature": 1.0, "threshold": None,
+                        "random_first": False},
+               external={"name": "none"}, likelihood={"name": "mean_field"}, prompts_per_step=2, group_size=3,
+               minibatch_size=24, train_pool=8, eval_every=0, sample_every=0, tensorboard=False, bf16=False,
+               lr=1e-3, warmup=0, lr_schedule="constant", print_fn=lambda *_: None)
+COUNTER = "tests.conftest:Counter"
+
+
+def metrics_of(run_dir):
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith("perf/")}
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("credit", ["grpo", "gigpo", "crbc"])
+def test_a_multi_turn_run_trains_on_its_turn_rows(saved_model, tmp_path, credit):
+    run = tmp_path / "run"
+    train(DigitPass(), model=saved_model, run_dir=str(run), steps=2, env={"name": COUNTER, "credit": credit},
+          eval_every=2, eval_prompts=4, **{k: v for k, v in OPTIONS.items() if k != "eval_every"})
+    lines = metrics_of(run)
+    assert len(lines) == 3 and lines[0]["step"] == 0 and lines[-1]["eval/turns"] >= 1  # before and after
+    for m in lines[1:]:
+        assert m["env/turns"] >= 1 and 0 <= m["env/success"] <= 1 and 0 <= m["env/invalid"] <= 1
+        assert m["rollouts/on_policy"] == pytest.approx(m["env/turns"] * 6)  # one row per turn of 2 x 3 episodes
+    assert any(m["policy/updates"] > 0 for m in lines[1:])  # some group had signal, and the policy moved
+    assert weights_checksum(run / "checkpoints" / "step_000002") != weights_checksum(saved_model)
+
+
+def test_a_multi_turn_run_resumes_exactly(saved_model, tmp_path):
+    options = dict(OPTIONS, model=saved_model, env={"name": COUNTER, "credit": "crbc"}, checkpoint_every=1)
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(DigitPass(), run_dir=str(straight), steps=3, **options)
+    train(DigitPass(), run_dir=str(resumed), steps=1, **options)
+    train(DigitPass(), resume=str(resumed), steps=3, **options)
+    assert metrics_of(straight) == metrics_of(resumed)
+    assert weights_checksum(straight / "checkpoints" / "step_000003") == \
+        weights_checksum(resumed / "checkpoints" / "step_000003")
+
+
+def test_what_a_multi_turn_run_cannot_take_yet_is_refused_by_name():
+    env = {"name": "corridor"}
+    with pytest.raises(ConfigError, match="env=corridor with external=.*set external=none"):
+        TrainConfig(env=env)
+    with pytest.raises(ConfigError, match="env=corridor with curation=.*set curation=none"):
+        TrainConfig(env=env, external={"name": "none"}, curation={"greso": {}})
+    with pytest.raises(ConfigError, match="env=corridor with workers=.*set workers.count=0"):
+        TrainConfig(env=env, external={"name": "none"}, workers={"count": 2})
+    with pytest.raises(ConfigError, match="env='maze': expected one of corridor"):
+        TrainConfig(env={"name": "maze"}, external={"name": "none"})
+    with pytest.raises(ConfigError, match="unknown config key 'env.corridor.width'"):
+        TrainConfig(env={"name": "corridor", "options": {"width": 3}}, external={"name": "none"})
+    assert TrainConfig(env={"name": COUNTER}, external={"name": "none"}).environment().on
+    assert Counter.max_turns == 4 and not TrainConfig().environment().on
+
+
+def test_the_tasks_command_lists_environments_and_plays_the_solver(capsys):
+    from dllm_rl import cli
+
+    assert cli.main(["tasks", "env=corridor", "n=1", "check=30", "+env.options.length=6"]) == 0
+    out = capsys.readouterr().out
+    assert "environments: corridor, frozen_lake, countdown, sudoku, sliding" in out
+    assert "the door is at 5" in out and "solver: 1.000 of 31 episodes succeed" in out
+    assert cli.main(["tasks", "env=corridor", "env.colour=1"]) != 0
+    assert "unknown config key 'env.colour'" in capsys.readouterr().err
