@@ -24,7 +24,7 @@ CREDITS = ("grpo", "gigpo", "crbc")
 
 @dataclass(frozen=True)
 class EnvConfig:
-    name: str = "none"  # none (a single-turn task) | corridor | frozen_lake | countdown | sudoku | sliding | pkg.module:Class
+    name: str = "none"  # none (a single-turn task) | a name of dllm_rl.envs.ENVIRONMENTS | pkg.module:Class
     options: dict[str, Any] = field(default_factory=dict)  # the environment's constructor options
     history: int = 2  # observation-action records in a turn's prompt (CRBC keeps 2)
     credit: str = "grpo"  # grpo (the episode's advantage on every turn) | gigpo | crbc (dllm_rl/algo/step_credit.py)
