@@ -252,6 +252,9 @@ def step_metrics(batch: StepBatch, learner_metrics: dict[str, float], perf: dict
                         "perf/tokens_per_s": float(on.lengths_N.sum()) / max(perf.get("perf/rollout_s", 0.0), 1e-9)})
         weights.update({"reward/accuracy": len(rewards), "reward/format": len(rewards),
                         "reward/zero_std_groups": len(flat)})
+    if batch.episodes:  # a multi-turn step: its episode means weighted by episodes, the invalid share by turns
+        weights.update(dict.fromkeys(("env/success", "env/turns", "env/truncated"), float(len(batch.episodes))))
+        weights["env/invalid"] = float(sum(len(ep.turns) for ep in batch.episodes))
     out = dp.mean_metrics(metrics, summed=COUNTS, weights=weights)
     for kind in ("echo", "echo_external"):  # echo clips: their mean length over every rank's clips
         if out.get(f"curation/{kind}_clips"):

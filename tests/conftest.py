@@ -179,13 +179,13 @@ class DigitRelabel(DigitPass):
 
 class Counter(Env):
     """A user's environment for the multi-turn tests (by import path: env.name=tests.conftest:Counter), with short
-    texts for a tiny model's context: count from 0 or 1 up to 3; any text with a u says up, with a d
+    texts for a tiny model's context: count from 1 or 2 up to 3; any text with a u says up, with a d
     down."""
 
     name, max_turns = "counter", 4
 
     def _reset(self, rng):
-        self.n = rng.randint(0, 1)
+        self.n = rng.randint(1, 2)
 
     def describe(self):
         return "Reach 3."

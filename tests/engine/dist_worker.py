@@ -82,6 +82,11 @@ RAGGED = {
     "echo": dict(curation={"sera": {"n_min": 1, "n_max": 4}, "echo": {"weight": 0.5}}, train_pool=4, task="any"),
     "bandit": dict(curation={"bandit": {"capacity": 6, "max_age": 2}, "hindsight": {}}, train_pool=4,
                    task="relabel"),
+    # a multi-turn run: each rank plays its whole groups' episodes, one row per turn (the ranks hold different
+    # numbers of turns), CRBC's credit per group
+    "multi_turn": dict(env={"name": "tests.conftest:Counter", "credit": "crbc"}, external={"name": "none"},
+                       rollout={**SETTINGS["rollout"], "gen_length": 8, "block_length": 8, "steps": 4},
+                       minibatch_size=16, train_pool=8),
 }
 
 

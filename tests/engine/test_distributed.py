@@ -113,7 +113,7 @@ def assert_weights_agree(got: dict[str, torch.Tensor], base: dict[str, torch.Ten
 # The two-rank runs of the parametrized agreement tests below on the module's model, each kind in one launch (a
 # launch costs a launcher and two interpreters' start, several seconds on 2 cores); their outputs are named by run.
 UNEVEN_ON_THE_MODEL = ("threshold", "espo", "spg", "justgrpo")
-RAGGED_NAMES = ("sera", "ds_darts", "echo", "bandit")
+RAGGED_NAMES = ("sera", "ds_darts", "echo", "bandit", "multi_turn")
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +210,7 @@ def test_a_minibatch_in_pieces_agrees_with_one_process_whole_at_zero2_and_zero3(
         assert_weights_agree(weights(two / f"pieces_zero{stage}", 2), weights(single / "pieces_whole_zero0", 2), stage)
 
 
-@pytest.mark.parametrize("name", ["sera", "ds_darts", "echo", "bandit"])
+@pytest.mark.parametrize("name", RAGGED_NAMES)
 def test_ranks_holding_uneven_rows_agree_with_one_process_at_zero_0_2_3(runs, ragged_two, name):
     """Rollout curation leaves the ranks uneven (SERA's group sizes, dynamic sampling's dropped groups and extra
     rounds, DARTS's selection, GRPODropout's dropped rollouts): the gathered keys put every row in its single-process
@@ -234,6 +234,9 @@ def test_ranks_holding_uneven_rows_agree_with_one_process_at_zero_0_2_3(runs, ra
         if name == "bandit":  # replayed rows and relabelled ones, on some ranks only
             assert sum(m["curation/bandit_replayed"] for m in base) > 0
             assert sum(m["curation/hindsight_rows"] for m in base) > 0
+        if name == "multi_turn":  # episodes of unequal length: the ranks hold different numbers of turn rows
+            assert any(a[0] != b[0] for a, b in zip(*held)), held
+            assert all(m["env/turns"] > 1 for m in base[1:]) and any(m["policy/updates"] > 0 for m in base)
         if name == "echo":  # clips on some ranks only, learnt beside the GRPO loss
             assert sum(m["curation/echo_clips"] for m in base) > 0 and any(m.get("loss/echo", 0) > 0 for m in base)
         run = metrics(two / f"ragged_{name}_zero{stage}")
@@ -243,7 +246,7 @@ def test_ranks_holding_uneven_rows_agree_with_one_process_at_zero_0_2_3(runs, ra
                     "loss/echo",
                     "curation/echo_external_clips", "loss/echo_external", "curation/bandit_replayed",
                     "curation/bandit_left_out", "curation/bandit_probe", "reward/replay", "curation/hindsight_rows",
-                    "loss/hindsight"):
+                    "loss/hindsight", "env/success", "env/turns", "env/invalid"):
             assert [m.get(key, 0.0) for m in run] == pytest.approx([m.get(key, 0.0) for m in base], rel=1e-5,
                                                                   abs=1e-7), (stage, key)
         assert_weights_agree(weights(two / f"ragged_{name}_zero{stage}", 2),
