@@ -73,6 +73,15 @@ def run_eval(cfg: dict[str, Any]) -> None:
     from dllm_rl.data import TASKS, build_task
     from dllm_rl.evaluate import run_eval as evaluate
 
+    if cfg.get("env", {}).get("name", "none") != "none":  # episodes of a multi-turn environment
+        from dllm_rl.envs.collect import run_env_eval
+
+        task = env_or_task(cfg)
+        cfg["rollout"].pop("name", None)
+        check_kwargs(run_env_eval, cfg, "")
+        run_env_eval(task, **cfg)
+        return
+    cfg.pop("env", None)
     task_cfg, protocol = cfg.pop("task"), cfg["protocol"]
     known = inspect.signature(pick(TASKS, task_cfg.get("name"), "task")).parameters
     for key, value in protocol.get("task", {}).items():  # the protocol's prompts and parsers
@@ -86,13 +95,25 @@ def run_eval(cfg: dict[str, Any]) -> None:
 
 
 def run_sft(cfg: dict[str, Any]) -> None:
-    from dllm_rl.data import build_task
     from dllm_rl.sft import run_sft as sft
 
-    task = build_task(**cfg.pop("task"))
+    task = env_or_task(cfg)
     check_kwargs(sft, cfg, "")
     check_types(sft, cfg, "")
     sft(task, **cfg)
+
+
+def env_or_task(cfg: dict[str, Any]):
+    """The task the config names, or, where it names an environment (`env=`), the environment as the task."""
+    from dllm_rl.data import build_task
+
+    env, task = cfg.pop("env", {"name": "none"}), cfg.pop("task")
+    if env.get("name", "none") == "none":
+        return build_task(**task)
+    from dllm_rl.envs.task import EnvConfig, EnvTask
+
+    check_kwargs(EnvConfig, env, "env")
+    return EnvTask(EnvConfig(**env))
 
 
 def run_train(cfg: dict[str, Any]) -> None:

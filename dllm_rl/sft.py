@@ -52,6 +52,12 @@ def solver_examples(task: Task, n: int, seed: int, with_steps: bool = True, toke
     answers (a file task's reference solutions: `worked_solution`). A solver may decline prompts (Countdown's
     in_order and aligned `solver_style`: no answer in the prompt's order); more prompts are then drawn, up to
     8n, and the number declined is reported. A split smaller than `n` gives what it has."""
+    if hasattr(task, "make"):  # a multi-turn environment (dllm_rl/envs/task.py): each solver turn is an example
+        from dllm_rl.envs.task import solver_turns
+
+        turns = solver_turns(task, n, seed, render=lambda text: render_prompt(text, tokenizer))
+        require(len(turns) == n, f"env={task.config.name}: its solver played only {len(turns)} turns; {n} asked")
+        return [SFTExample(prompt, action) for prompt, action in turns]
     out, drawn, size = [], 0, n
     while True:
         pool = train_examples_up_to(task, size, seed)  # a small train file: all of it

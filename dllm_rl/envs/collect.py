@@ -4,9 +4,12 @@ seeds, play each group's episodes, one row per turn), the advantages per turn, a
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager
+
+import torch
 
 from dllm_rl.collect import InProcessRollouts, PromptSource, StepBatch
 from dllm_rl.data.task import draw_examples, render_prompt
@@ -84,3 +87,50 @@ class EpisodeHeldOut:
         self.correct = {ex.uid: int(ep.success) for ex, ep in zip(examples, episodes)}
         metrics = episode_metrics(episodes, "eval")
         return {"eval/pass@1": metrics["eval/success"], **metrics}
+
+
+def run_env_eval(task: EnvTask, *, model: str, kind: str = "auto", dtype: str = "float32",
+                 rollout: dict[str, Any], protocol: dict[str, Any] | None = None, num_prompts: int | None = 100,
+                 num_samples: int = 1, batch_size: int = 32, seed: int = 0, split: str = "test", chat: bool = True,
+                 output_dir: str | None = None, trust_remote_code: bool = False, device: str = "auto",
+                 print_fn=print) -> dict[str, float]:
+    """`dllm-rl eval env=<name>`: one episode per seed of `split` (`num_prompts` of them) played by `model` with the
+    `rollout` sampler (greedy by default); prints and writes (summary.json, episodes.jsonl) the success rate, the
+    turns per episode and the shares of invalid actions and of truncated episodes. All episodes take their turns
+    in lockstep (`batch_size` does not apply)."""
+    import json
+    import time
+    from pathlib import Path
+
+    from dllm_rl.errors import require
+    from dllm_rl.likelihood.estimators import build_estimator
+    from dllm_rl.rollout.generate import load_generator
+
+    require((protocol or {}).get("name", "none") == "none",
+            f"protocol={(protocol or {}).get('name')!r} with env={task.config.name}: the evaluation protocols are "
+            f"for single-turn tasks; use protocol=none")
+    require(num_samples == 1, f"num_samples={num_samples} with env={task.config.name}: one episode per seed")
+    generator = load_generator(model, kind=kind, dtype=dtype, trust_remote_code=trust_remote_code, device=device,
+                               **rollout)
+    examples = draw_examples(task, split, num_prompts or 100, seed, "num_prompts")
+    rollouts = InProcessRollouts(generator, build_estimator({"name": "mean_field"}), seed, contextlib.nullcontext)
+    tokenizer = generator.tokenizer if chat else None
+    starts = [(b, -1 - b, ex.meta["seed"]) for b, ex in enumerate(examples)]
+    render = lambda text: render_prompt(text, tokenizer)  # noqa: E731
+    with torch.no_grad():
+        _, episodes = play_episodes(rollouts, task.make, starts, 1, 0, task.config.history,
+                                    generator.tokenizer.pad_token_id, render=render)
+    summary = {"env": task.name, "model": model, "split": split, "episodes": len(episodes),
+               **{k.split("/")[1]: v for k, v in episode_metrics(episodes, "eval").items()}}
+    out = Path(output_dir or time.strftime("runs/eval-%Y%m%d-%H%M%S"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    with open(out / "episodes.jsonl", "w") as f:
+        for ex, ep in zip(examples, episodes):
+            f.write(json.dumps({"seed": ex.meta["seed"], "success": ep.success, "truncated": ep.truncated,
+                                "invalid": ep.invalid, "actions": [a for _, a in ep.records]}) + "\n")
+    print_fn(f"{task.name}: success {summary['success']:.3f} over {len(episodes)} {split} seeds, "
+             f"{summary['turns']:.1f} turns each, {summary['invalid']:.3f} of the actions invalid, "
+             f"{summary['truncated']:.3f} truncated")
+    print_fn(f"wrote {out}/summary.json and {out}/episodes.jsonl")
+    return summary

@@ -139,3 +139,22 @@ def preview_env(config: EnvConfig, n: int = 3, split: str = "train", seed: int =
     print_fn(f"solver: {summary['solver_success']:.3f} of {len(seeds)} episodes succeed, "
              f"{summary['solver_turns']:.1f} turns each")
     return summary
+
+
+def solver_turns(task: EnvTask, n: int, seed: int, render=lambda text: text) -> list[tuple[str, str]]:
+    """SFT data from solver episodes: (turn prompt, action) for every turn of the solver's episodes on the train
+    seeds, in seed order, until `n` turns (each turn's prompt as a run builds it, `render` applied)."""
+    out: list[tuple[str, str]] = []
+    for ex in task.examples("train", max(n, 1), seed):
+        env = task.make()
+        observation, records = env.reset(ex.meta["seed"]), []
+        for action in env.solve() or []:
+            out.append((render(turn_prompt(env.describe(), records, observation, task.config.history)), action))
+            step = env.step(action)
+            records.append((observation, action))
+            observation = step.observation
+            if len(out) == n or step.done:
+                break
+        if len(out) == n:
+            return out
+    return out

@@ -73,3 +73,40 @@ def test_the_tasks_command_lists_environments_and_plays_the_solver(capsys):
     assert "the door is at 5" in out and "solver: 1.000 of 31 episodes succeed" in out
     assert cli.main(["tasks", "env=corridor", "env.colour=1"]) != 0
     assert "unknown config key 'env.colour'" in capsys.readouterr().err
+
+
+def test_sft_data_from_solver_episodes_replays_to_success():
+    from dllm_rl.envs.task import EnvConfig, EnvTask, solver_turns
+
+    task = EnvTask(EnvConfig(name="corridor", history=1))
+    turns = solver_turns(task, 40, seed=0)
+    assert len(turns) == 40 and all(action in ("left", "right", "pick", "open") for _, action in turns)
+    # the first episode's turns, replayed from its seed, reach the door; each prompt is the turn's as a run builds it
+    env, seed = task.make(), task.examples("train", 1, 0)[0].meta["seed"]
+    observation, records = env.reset(seed), []
+    for prompt, action in turns:
+        assert prompt == f"{env.describe()}\n" + "".join(f"Observation: {o}\nAction: {a}\n" for o, a in records[-1:]) \
+            + f"Observation: {observation}\nAction: "
+        step = env.step(action)
+        records.append((observation, action))
+        observation = step.observation
+        if step.done:
+            break
+    assert step.done and step.info["success"]
+
+
+def test_sft_and_eval_commands_on_an_environment(saved_model, tmp_path, capsys):
+    from dllm_rl import cli
+
+    tuned, evaluated = tmp_path / "tuned", tmp_path / "eval"
+    assert cli.main(["sft", f"model={saved_model}", f"env.name={COUNTER}", "examples=16", "steps=2", "batch_size=8",
+                     "gen_length=8", "tensorboard=false", f"output_dir={tuned}"]) == 0
+    assert (tuned / "model.safetensors").is_file()
+    assert cli.main(["eval", f"model={tuned}", f"env.name={COUNTER}", "num_prompts=6", "rollout.gen_length=8",
+                     "rollout.block_length=8", "rollout.steps=4", f"output_dir={evaluated}"]) == 0
+    summary = json.loads((evaluated / "summary.json").read_text())
+    assert summary["episodes"] == 6 and 0 <= summary["success"] <= 1 and 1 <= summary["turns"] <= Counter.max_turns
+    assert len((evaluated / "episodes.jsonl").read_text().splitlines()) == 6
+    assert "counter: success" in capsys.readouterr().out
+    assert cli.main(["eval", f"model={tuned}", f"env.name={COUNTER}", "protocol=d1"]) != 0
+    assert "use protocol=none" in capsys.readouterr().err
