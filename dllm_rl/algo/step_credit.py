@@ -76,7 +76,9 @@ def empirical_mdp(group: Group) -> EmpiricalMDP:
         for turn in episode:
             index.setdefault(turn.anchor, len(index))
     S = len(index)
+    # cpu: a group's handful of anchors, counted in Python and solved once; the credits go back as floats
     counts = torch.zeros(S, S, dtype=torch.float64)
+    # cpu: the same small chain's rewards and visit counts
     rewards, visits = torch.zeros(S, dtype=torch.float64), torch.zeros(S, dtype=torch.float64)
     for episode in group:
         for t, turn in enumerate(episode):
@@ -92,7 +94,7 @@ def closure_values(mdp: EmpiricalMDP, beta: float) -> torch.Tensor:
     """V_S from (I - beta M) V = b, one linear solve (float64)."""
     require(0.0 < beta <= 1.0, f"crbc beta must be in (0, 1], got {beta}")
     S = len(mdp.anchors)
-    return torch.linalg.solve(torch.eye(S, dtype=torch.float64) - beta * mdp.M, mdp.b)
+    return torch.linalg.solve(torch.eye(S, dtype=torch.float64) - beta * mdp.M, mdp.b)  # cpu: beside mdp.M
 
 
 def crbc_step_credit(group: Group, beta: float = 0.98, sigma_min: float = 0.1,

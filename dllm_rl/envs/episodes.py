@@ -115,8 +115,9 @@ def episode_advantages(rows: Rows, episodes: list[Episode], max_turns: int, adva
     the rows' keys (made with the environment's `max_turns`). `options` go to `step_credit.turn_advantages`
     (gamma, beta, sigma_min, w_episode, w_step)."""
     groups = sorted({ep.prompt_id for ep in episodes})
+    # cpu: per-episode values, read back into Python for the per-turn credit
     returns_E = torch.tensor([ep.total for ep in episodes], dtype=torch.float32)
-    group_E = torch.tensor([groups.index(ep.prompt_id) for ep in episodes])
+    group_E = torch.tensor([groups.index(ep.prompt_id) for ep in episodes])  # cpu: beside returns_E
     adv_E = group_advantages(returns_E, group_E, advantage).tolist()
     by_key: dict[tuple[int, int, int], float] = {}
     for q in groups:
