@@ -1,5 +1,6 @@
 """Multi-turn runs through the trainer (env=..., dllm_rl/envs/collect.py): the step's stage list on turn rows with
-each credit, held-out success, an exact resume, and what is refused by name."""
+each credit, held-out success, a run SIGKILLed mid-step and resumed equal to the uninterrupted one, SFT on solver
+episodes, evaluation, the tasks command, and what is refused by name."""
 
 import json
 
@@ -35,17 +36,6 @@ def test_a_multi_turn_run_trains_on_its_turn_rows(saved_model, tmp_path, credit)
         assert m["rollouts/on_policy"] == pytest.approx(m["env/turns"] * 6)  # one row per turn of 2 x 3 episodes
     assert any(m["policy/updates"] > 0 for m in lines[1:])  # some group had signal, and the policy moved
     assert weights_checksum(run / "checkpoints" / "step_000002") != weights_checksum(saved_model)
-
-
-def test_a_multi_turn_run_resumes_exactly(saved_model, tmp_path):
-    options = dict(OPTIONS, model=saved_model, env={"name": COUNTER, "credit": "crbc"}, checkpoint_every=1)
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    train(DigitPass(), run_dir=str(straight), steps=3, **options)
-    train(DigitPass(), run_dir=str(resumed), steps=1, **options)
-    train(DigitPass(), resume=str(resumed), steps=3, **options)
-    assert metrics_of(straight) == metrics_of(resumed)
-    assert weights_checksum(straight / "checkpoints" / "step_000003") == \
-        weights_checksum(resumed / "checkpoints" / "step_000003")
 
 
 def test_what_a_multi_turn_run_cannot_take_yet_is_refused_by_name():
@@ -110,3 +100,36 @@ def test_sft_and_eval_commands_on_an_environment(saved_model, tmp_path, capsys):
     assert "counter: success" in capsys.readouterr().out
     assert cli.main(["eval", f"model={tuned}", f"env.name={COUNTER}", "protocol=d1"]) != 0
     assert "use protocol=none" in capsys.readouterr().err
+
+
+def test_a_multi_turn_run_sigkilled_mid_step_resumes_to_the_uninterrupted_run(saved_model, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from tests.engine.test_distributed import clean_env
+
+    root = Path(__file__).parents[2]
+    options = dict(OPTIONS, env={"name": COUNTER, "credit": "crbc"}, checkpoint_every=1, steps=4, sample_every=1)
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    train(DigitPass(), model=saved_model, run_dir=str(straight), **options)
+    code = ("import sys; from dllm_rl.train import train; from tests.conftest import DigitPass; "
+            "from tests.envs.test_runs import OPTIONS; "
+            f"train(DigitPass(), model={saved_model!r}, run_dir={str(killed)!r}, "
+            f"**dict(OPTIONS, env={{'name': {COUNTER!r}, 'credit': 'crbc'}}, checkpoint_every=1, steps=4, "
+            "sample_every=1))")
+    child = subprocess.Popen([sys.executable, "-c", code], cwd=root, env=clean_env(), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while not (killed / "checkpoints" / "step_000002" / "COMPLETE").exists():  # then it is inside step 3
+        assert child.poll() is None, child.stderr.read().decode()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    child.send_signal(signal.SIGKILL)
+    assert child.wait() == -signal.SIGKILL
+    train(DigitPass(), model=saved_model, resume=str(killed), **options)
+    assert metrics_of(killed) == metrics_of(straight)
+    assert weights_checksum(killed / "checkpoints" / "step_000004") == \
+        weights_checksum(straight / "checkpoints" / "step_000004")
