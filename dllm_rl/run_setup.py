@@ -294,15 +294,16 @@ def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned,
                       autocast, cfg.ref_sync_every, cfg.max_bad_steps, bad_steps=state["bad_steps"],
                       micro_rows=cfg.micro_batch_rows, micro_forwards=cfg.micro_batch_forwards)
     rollouts = InProcessRollouts(sampler, estimator, cfg.seed, generating)
-    collect = CollectRollouts(prompts, rollouts, task, curation, dp, pad_id=tokenizer.pad_token_id,
-                              before_generate=external.prefetch if external is not None else None)
-    held_out = HeldOut(greedy, sampler, task, tokenizer, cfg.eval_prompts, cfg.eval_samples, cfg.seed, generating)
-    advantages = functools.partial(assign_advantages, advantage=advantage, mixer=mixer, dp=dp)
     if isinstance(task, EnvTask):  # multi-turn: episodes in, advantages per turn (the config refuses what does not fit)
         collect = CollectEpisodes(prompts, rollouts, task, tokenizer, cfg.group_size, tokenizer.pad_token_id)
         held_out = EpisodeHeldOut(InProcessRollouts(greedy, estimator, cfg.seed, generating), task, tokenizer,
                                   cfg.eval_prompts, cfg.seed, tokenizer.pad_token_id, generating)
         advantages = functools.partial(assign_turn_advantages, advantage=advantage, task=task)
+    else:
+        collect = CollectRollouts(prompts, rollouts, task, curation, dp, pad_id=tokenizer.pad_token_id,
+                                  before_generate=external.prefetch if external is not None else None)
+        held_out = HeldOut(greedy, sampler, task, tokenizer, cfg.eval_prompts, cfg.eval_samples, cfg.seed, generating)
+        advantages = functools.partial(assign_advantages, advantage=advantage, mixer=mixer, dp=dp)
     if mixer is not None and cfg.eval_every > 0 and cfg.eval_external_samples > 0:
         held_out.external_solved = external_solves(mixer.source, task, held_out.examples(), cfg.eval_external_samples,
                                                    cfg.seed)
