@@ -191,10 +191,10 @@ def setup(task: Task, cfg: TrainConfig, print_fn, saved_config: dict | None, all
     # files) posts its reason for its peers (engine/rendezvous.py) instead of leaving them at the rendezvous.
     world = init_distributed(timeout_s)  # rank 0 of 1 without a launcher
     workers = WorkersConfig(**cfg.workers)
-    require(world.size == 1 or workers.size == 0 or (workers.max_staleness == 0 and not workers.pipe),
-            f"workers.max_staleness={workers.max_staleness}, workers.pipe={workers.pipe} with {world.size} learner "
-            f"ranks: asynchronous and pipelined rollouts serve one learner process so far; launch one process, or "
-            f"use synchronous workers (workers.max_staleness=0 workers.pipe=false)")
+    require(world.size == 1 or workers.size == 0 or not workers.pipe,
+            f"workers.pipe=true with {world.size} learner ranks: complete-group pipelining serves one learner process "
+            f"so far; launch one process, or set workers.pipe=false (asynchronous workers, workers.max_staleness > 0, "
+            f"serve several ranks)")
     torch.manual_seed(derive_seed(cfg.seed, "global", world.rank))  # dropout's draws (`train` forks the state)
     check_model_files(cfg)
     device = default_device()  # this rank's GPU (LOCAL_RANK) where there is one: every stage's tensors go there
@@ -343,9 +343,12 @@ def remote_collect(cfg: TrainConfig, workers: WorkersConfig, task, learned: Lear
                                                  weights, rollouts, learned.tokenizer.pad_token_id, collect.dp,
                                                  learned.engine.gathered, version=state["policy_version"])
         return collect
-    pool, owns = start_workers(workers, cfg.model, cfg.sampler, bf16, cfg.trust_remote_code)
-    return PipelinedRollouts(prompts, rollouts, pool, Publisher(RayStore(), version=state["policy_version"]),
-                             weights, task, cfg.group_size, workers.max_staleness,
-                             learned.tokenizer.pad_token_id, owns_ray=owns, sync_every=workers.sync_every,
-                             step=state["step"],
-                             skip=set(state["trained_after"]))
+    # several learner ranks: rank 0 alone holds the workers, the pipeline and its admission
+    pool, owns, publisher = None, False, None
+    if collect.dp.world.is_main:
+        pool, owns = start_workers(workers, cfg.model, cfg.sampler, bf16, cfg.trust_remote_code)
+        publisher = Publisher(RayStore(), version=state["policy_version"])
+    return PipelinedRollouts(prompts, rollouts, pool, publisher, weights, task, cfg.group_size, workers.max_staleness,
+                             learned.tokenizer.pad_token_id, dp=collect.dp, gathered=learned.engine.gathered,
+                             owns_ray=owns, sync_every=workers.sync_every, step=state["step"],
+                             version_seen=state["policy_version"], skip=set(state["trained_after"]))

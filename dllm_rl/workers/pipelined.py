@@ -16,19 +16,27 @@ checkpoint keeps the first prompt not yet trained on and those after it already 
 be trained on after later ones); a resumed run draws again from there and skips those, regenerating what was in
 flight from its seeds, at the resumed policy's version (so resume at S > 0 is not bit-exact: the in-flight groups
 come from newer weights than they would have).
+
+Several learner ranks: rank 0 alone holds the workers, the pipeline and its one admission (so one staleness bound,
+decided once for the whole learner); every rank enters each publish (at ZeRO-3 the full weights are gathered for it,
+once per snapshot, a collective) and then receives its share of the step's admitted groups, whole groups in a
+contiguous run by rollouts (`balanced_runs`, as in-process steps split their prompts), with rank 0's rollout
+metrics. A rank whose share is empty (fewer groups than ranks) takes the step's calls with a stand-in row.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
 from dllm_rl.buffer import concat_rows
 from dllm_rl.collect import (InProcessRollouts, PromptSource, StepBatch, group_records, rollout_metrics, verify)
 from dllm_rl.data.task import Task, render_prompt
+from dllm_rl.data_parallel import DataParallel, balanced_runs
 from dllm_rl.seeds import derive_seed
 from dllm_rl.workers.admission import Admission
 from dllm_rl.workers.pipeline import Job, Pipeline
@@ -42,13 +50,15 @@ from dllm_rl.workers.versions import Publisher
 class PipelinedRollouts:
     prompts: PromptSource
     local: InProcessRollouts  # the seed contract and the rows' construction
-    pool: WorkerPool
-    publisher: Publisher
+    pool: WorkerPool | None  # rank 0's; None on the other learner ranks
+    publisher: Publisher | None  # rank 0's
     weights: Callable[[], dict[str, torch.Tensor]]
     task: Task
     group_size: int
     max_staleness: int
     pad_id: int
+    dp: DataParallel | None = None  # the learner's ranks (None: one process)
+    gathered: Callable[[], ContextManager] = contextlib.nullcontext  # the full weights for a publish (ZeRO-3)
     owns_ray: bool = False
     sync_every: int = 1  # publish the learner's weights every this many updates
     step: int = 0  # the learner's step at the start (a resumed run's): admission counts its earlier groups as taken
@@ -56,9 +66,13 @@ class PipelinedRollouts:
     drawn: dict[int, Any] = field(default_factory=dict)  # prompt id -> (Drawn, rendered prompt), not yet trained
     pipeline: Pipeline | None = None
     streamed: dict[str, float] = field(default_factory=dict)  # `stream`'s rollout/* metrics of its last step
-    meter: PoolMeter | None = None  # the per-pool metrics
+    meter: PoolMeter | None = None  # the per-pool metrics (rank 0's)
+    published_step: int | None = None  # the step of the newest snapshot this run published (every rank)
+    version_seen: int = 0  # the newest published policy version, as rank 0 last said it (every rank)
 
     def __post_init__(self) -> None:
+        if self.pool is None:  # a learner rank other than 0: it is given its groups
+            return
         self.meter = PoolMeter(self.pool.pools)
         B = self.prompts.per_step
         admission = Admission.resumed({"taken": self.step * B, "violations": 0}, B, self.max_staleness)
@@ -83,12 +97,26 @@ class PipelinedRollouts:
         started = time.perf_counter()
         published = self.publish(step)
         start = time.perf_counter()
-        groups, taken = self.pipeline.take(step)
+        shares = self.shares(step, published, started) if self.pipeline is not None else None
+        items, metrics, template = shares[0] if self.dp is None else self.dp.scatter_objects(shares)
         waited = time.perf_counter() - start  # the learner's idle time: not its own work on the rows below
-        batch = self.batch_of(step, groups)
-        made = [(m, lag) for (_, m), lag in zip(groups, taken.lags)]
-        batch.metrics.update(self.step_metrics(made, published, waited, started))
+        self.version_seen = int(metrics["rollout/policy_version"])
+        batch = self.batch_of(step, items, template)
+        batch.metrics.update({**metrics, "rollout/learner_wait_s": waited})
         return batch
+
+    def shares(self, step: int, published: float, started: float) -> list[tuple[list, dict[str, float], str]]:
+        """Rank 0: the step's admitted groups (taken from the pipeline, in prompt order) split over the learner's
+        ranks, whole groups in contiguous runs by rollouts; per rank (its groups as (drawn prompt, rendered prompt,
+        what the worker made), the step's rollout metrics, the step's template prompt)."""
+        groups, taken = self.pipeline.take(step)
+        made = [(m, lag) for (_, m), lag in zip(groups, taken.lags)]
+        metrics = self.step_metrics(made, published, 0.0, started)
+        items = [(*self.drawn.pop(job.key), result) for job, result in groups]
+        ranks = 1 if self.dp is None else self.dp.size
+        template = items[0][1]
+        return [([items[i] for i in run], metrics, template)
+                for run in balanced_runs([self.group_size] * len(items), ranks)]
 
     def stream(self, step: int) -> Iterator[StepBatch]:
         """Complete-group pipelining (`workers.pipe`): each of the step's groups as a batch of its own, verified,
@@ -105,34 +133,42 @@ class PipelinedRollouts:
                 break
             job, result, lag = group
             made.append((result, lag))
-            yield self.batch_of(step, [(job, result)])
+            yield self.batch_of(step, [(*self.drawn.pop(job.key), result)])
         self.streamed = self.step_metrics(made, published, waited, started)
+        self.version_seen = self.publisher.version
 
     def publish(self, step: int) -> float:
         """This step's weights to the workers, every `sync_every` steps (and at the first step a run makes); the
-        seconds it took."""
-        latest = self.publisher.latest
-        if latest is not None and step - latest.step < self.sync_every:
+        seconds it took. Every learner rank takes part (at ZeRO-3 the full weights are gathered for it, once);
+        rank 0 publishes."""
+        if self.published_step is not None and step - self.published_step < self.sync_every:
             return 0.0
+        self.published_step = step
         start = time.perf_counter()
-        self.pipeline.publish(self.publisher.publish(self.weights(), step))
+        with self.gathered():
+            if self.pipeline is not None:
+                self.pipeline.publish(self.publisher.publish(self.weights(), step))
         return time.perf_counter() - start
 
-    def batch_of(self, step: int, groups: list[tuple[Job, Any]]) -> StepBatch:
-        """The batch of `groups` (finished jobs and what the workers made of them): prompts, rows, rewards."""
-        pairs = [self.drawn.pop(job.key) for job, _ in groups]
-        batch = StepBatch(step, [d.example for d, _ in pairs], [text for _, text in pairs],
-                          [d.prompt_id for d, _ in pairs], [self.group_size] * len(pairs),
-                          [d.example_id for d, _ in pairs], template=pairs[0][1])
-        parts = [self.local.rows_of(moved(made.samples, self.local.generator.model.device),
-                                    [(b, job.key, g) for g in range(self.group_size)], version=made.step)
-                 for b, (job, made) in enumerate(groups)]
+    def batch_of(self, step: int, items: list[tuple[Any, str, Any]], template: str | None = None) -> StepBatch:
+        """The batch of `items` (each group's drawn prompt, rendered prompt and what its worker made of it): prompts,
+        rows, rewards. No items (a rank given no group this step): one stand-in row on `template`."""
+        batch = StepBatch(step, [d.example for d, _, _ in items], [text for _, text, _ in items],
+                          [d.prompt_id for d, _, _ in items], [self.group_size] * len(items),
+                          [d.example_id for d, _, _ in items], template=items[0][1] if items else template)
+        if not items:
+            batch.rows["on_policy"] = self.local.stand_in(batch)
+            return batch
+        device = self.local.generator.model.device
+        parts = [self.local.rows_of(moved(made.samples, device), [(b, d.prompt_id, g) for g in range(self.group_size)],
+                                    version=made.step)
+                 for b, (d, _, made) in enumerate(items)]
         rows = concat_rows(parts, self.pad_id) if len(parts) > 1 else parts[0]
-        rows.version = min(made.step for _, made in groups)  # replaying the sampler's log-probs needs the step's own
+        rows.version = min(made.step for _, _, made in items)  # replaying the sampler's log-probs needs the step's own
         batch.rows["on_policy"] = rows
         verify(batch, self.task)
         batch.visits = group_records(batch)
-        batch.metrics.update(rollout_metrics(rows, float(sum(m.samples.forwards for _, m in groups))))
+        batch.metrics.update(rollout_metrics(rows, float(sum(made.samples.forwards for _, _, made in items))))
         return batch
 
     def step_metrics(self, made: list[tuple[Any, int]], published: float, waited: float,
@@ -148,8 +184,8 @@ class PipelinedRollouts:
 
     @property
     def version(self) -> int:
-        """The newest published policy version."""
-        return self.publisher.version
+        """The newest published policy version (rank 0's, as of its last step on the other ranks)."""
+        return self.publisher.version if self.publisher is not None else self.version_seen
 
     def resume_state(self) -> dict[str, Any]:
         """Where a resumed run draws again: the first prompt not trained on, and those after it that were."""
@@ -160,8 +196,9 @@ class PipelinedRollouts:
         return {"position": first, "trained_after": sorted(set(done_after))}
 
     def close(self) -> None:
-        self.pipeline.close()
-        self.pool.close()
+        if self.pipeline is not None:
+            self.pipeline.close()
+            self.pool.close()
         if self.owns_ray:
             stop_ray()
 

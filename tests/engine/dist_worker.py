@@ -3,11 +3,12 @@ single-process baseline): short training runs at each ZeRO stage, a ZeRO-3 resum
 live logits of a ZeRO-3 engine restored from a checkpoint. Results go to files under OUT; the test compares.
 
 usage: dist_worker.py OUT MODEL (train STAGE... | workers STAGE... | lora STAGE... | dropout | uneven NAME |
-       ragged NAME STAGE... | resume | rollout | logits CHECKPOINT | hang)
+       ragged NAME STAGE... | async (kill | resume) STAGE | resume | rollout | logits CHECKPOINT | hang)
 """
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -116,6 +117,54 @@ def run_ragged(out: Path, model: str, name: str, stage: int) -> None:
     (out / f"ragged_{name}_zero{stage}_rows_rank{rank}.json").write_text(json.dumps(held))
 
 
+ASYNC_STEPS = 4
+
+
+def run_async(out: Path, model: str, mode: str, stage: int) -> None:
+    """Asynchronous rollout workers (S = 1, two Ray actors on rank 0) under the launch's ranks, ASYNC_STEPS steps,
+    a checkpoint every 2. `kill`: a new run whose worker 1 is SIGKILLed at the start of step 2 and whose rank 0
+    is SIGKILLed once step 3 is logged (before its checkpoint); `resume`: the run resumed to its end. Every rank
+    appends, per step, the prompt ids of the on-policy groups it trained on to a file of its own."""
+    from dllm_rl import data_parallel, train as training
+    from dllm_rl.workers import pipelined
+
+    rank = int(os.environ.get("RANK", 0))
+    held = out / f"async_{mode}_groups_rank{rank}.jsonl"
+    shard, shares, record = (data_parallel.DataParallel.shard_sources, pipelined.PipelinedRollouts.shares,
+                             training.record_step)
+
+    def recording(self, rows, estimators):
+        on = rows["on_policy"]
+        with held.open("a") as f:
+            f.write(json.dumps([] if on.inert else on.prompt_id_N.tolist()) + "\n")
+        return shard(self, rows, estimators)
+
+    def killing_a_worker(self, step, *args):
+        if mode == "kill" and step == 1:  # what was queued on it, or its next load, fails: regenerated
+            import ray
+
+            os.kill(ray.get(self.pool.actors[1].pid.remote()), signal.SIGKILL)
+        return shares(self, step, *args)
+
+    def killing_the_learner(run, step, *args):
+        record(run, step, *args)
+        if mode == "kill" and step == 2 and rank == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    data_parallel.DataParallel.shard_sources = recording
+    pipelined.PipelinedRollouts.shares = killing_a_worker
+    training.record_step = killing_the_learner
+    run = out / f"async_zero{stage}"
+    where = {"resume": str(run)} if mode == "resume" else {"run_dir": str(run)}
+    try:
+        training.train(DigitShare(), model=model, deepspeed={"stage": stage}, **where,
+                       **{**SETTINGS, "steps": ASYNC_STEPS, "checkpoint_every": 2,
+                          "workers": {"count": 2, "max_staleness": 1, "timeout_s": 120}})
+    finally:
+        data_parallel.DataParallel.shard_sources, pipelined.PipelinedRollouts.shares = shard, shares
+        training.record_step = record
+
+
 def run_train(out: Path, model: str, stage: int, steps: int = 2, resume: bool = False, lora: bool | dict = False,
               name: str | None = None, **extra) -> None:
     """A SETTINGS run at `stage`; `lora`: True (LORA) or the lora options."""
@@ -177,6 +226,8 @@ def main(out: Path, model: str, command: str, *args: str) -> None:
     elif command == "workers":  # the train runs with their rollouts from two Ray actors (rank 0's local Ray)
         for stage in map(int, args):
             run_train(out, model, stage, name=f"workers_zero{stage}", workers={"count": 2, "timeout_s": 120})
+    elif command == "async":  # asynchronous workers under several ranks: kill (worker and learner), or resume
+        run_async(out, model, args[0], int(args[1]))
     elif command == "lora":  # LoRA with the adapter-off reference at the given stages, and at stage 3 with
         for stage in map(int, args):  # gradient checkpointing
             run_train(out, model, stage, lora=True)

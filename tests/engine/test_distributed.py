@@ -6,8 +6,10 @@ a timeout instead of hanging it. Every launch gets its own free port and a wall-
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,15 +31,16 @@ def clean_env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-def launch(out: Path, model: str, *command: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = clean_env()
+def launch(out: Path, model: str, *command: str, timeout: float = 300,
+           env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = clean_env(**(env or {}))
     args = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
             str(WORKER), str(out), model, *command]
     return subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def launched(out: Path, model: str, *command: str) -> None:
-    result = launch(out, model, *command)
+def launched(out: Path, model: str, *command: str, env: dict[str, str] | None = None) -> None:
+    result = launch(out, model, *command, env=env)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
 
 
@@ -98,6 +101,50 @@ def test_two_learner_ranks_with_rollout_workers_train_as_with_their_own_rollouts
         assert [m["rollout/policy_version"] for m in theirs] == [1.0, 2.0]
         a, b = weights(two / f"zero{stage}", 2), weights(two / f"workers_zero{stage}", 2)
         assert all(torch.equal(a[k], b[k]) for k in a), stage
+
+
+def test_asynchronous_workers_serve_two_ranks_at_zero3_through_a_killed_worker_and_a_killed_learner(runs):
+    """S = 1 with two Ray workers under two learner ranks at ZeRO-3 (rank 0 holds the pipeline and its one
+    admission): a worker SIGKILLed at step 2 has its groups regenerated, rank 0 SIGKILLed after logging step 3
+    ends the launch, and the resumed run finishes. Every step's lag is within S; each step's groups are split
+    whole over the ranks; no group is trained on twice, before or after the resume; no step is logged twice; and
+    nothing of either launch's Ray is left (its processes, its session directories, shared memory)."""
+    from tests.workers.conftest import processes_mentioning
+
+    root, _, _ = runs
+    out, short = root / "async", Path(tempfile.mkdtemp(prefix="t", dir="/tmp"))  # Ray's sockets need short paths
+    out.mkdir()
+    shared = set(os.listdir("/dev/shm"))
+    killed = launch(out, str(root / "model"), "async", "kill", "3", env={"TMPDIR": str(short)})
+    assert killed.returncode != 0 and not (out / "done_async_rank0.json").exists(), killed.stderr[-3000:]
+    before = metrics(out / "async_zero3")
+    assert [m["step"] for m in before] == [1, 2, 3]
+    # the dead worker's groups (started at step 2 for step 3) failed, were made again and its actor restarted
+    assert before[-1]["rollout/worker_restarts"] >= 1 and before[-1]["rollout/regenerated"] >= 1
+    launched(out, str(root / "model"), "async", "resume", "3", env={"TMPDIR": str(short)})
+    lines = metrics(out / "async_zero3")
+    assert [m["step"] for m in lines] == [1, 2, 3, 4]  # step 3 of the killed launch was cut back and made again
+    assert all(m["rollout/lag_max"] <= 1 and m["rollout/lag_violations"] == 0 for m in lines)
+    assert max(m["rollout/lag_max"] for m in lines) == 1  # groups were generated ahead
+    assert [m["rollout/policy_version"] for m in lines] == [1.0, 2.0, 3.0, 4.0]
+    # each rank's groups per step: the kept steps of the killed launch (1-2), then the resumed launch's (3-4)
+    per_rank = [[json.loads(line) for line in (out / f"async_{mode}_groups_rank{r}.jsonl").read_text().splitlines()]
+                for mode in ("kill", "resume") for r in (0, 1)]
+    kept = [per_rank[0][:2], per_rank[1][:2]]
+    resumed = [per_rank[2], per_rank[3]]
+    trained = []
+    for rank0, rank1 in [*zip(*kept), *zip(*resumed)]:
+        assert rank0 and rank1 and not set(rank0) & set(rank1)  # whole groups, each on one rank
+        step = rank0 + rank1
+        assert all(step.count(q) == 2 for q in step) and len(set(step)) == 4  # B = 4 groups of G = 2
+        trained += sorted(set(step))
+    assert len(trained) == len(set(trained)) == 16
+    assert set(os.listdir("/dev/shm")) <= shared
+    deadline = time.time() + 30  # the killed launch's Ray is ended by its reaper
+    while time.time() < deadline and (processes_mentioning(str(short)) or list(short.glob("dllm-ray-*"))):
+        time.sleep(0.5)
+    assert not processes_mentioning(str(short)) and not list(short.glob("dllm-ray-*"))
+    shutil.rmtree(short)
 
 
 def assert_weights_agree(got: dict[str, torch.Tensor], base: dict[str, torch.Tensor], label) -> None:
