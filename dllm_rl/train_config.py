@@ -230,9 +230,6 @@ class TrainConfig:
                         f"rollouts draw ahead of; use workers.max_staleness=0 with curation")
             if workers.pipe:
                 self.check_pipe(workers)
-            require(not self.deepspeed.get("bf16", False),
-                    f"{workers.size} rollout workers with deepspeed.bf16=true: workers hold fp32 weights and would "
-                    f"not generate what the bf16 learner does; use bf16 autocast (bf16=auto|true) instead")
 
     def check_pools(self, workers: WorkersConfig) -> None:
         """Each pool's sampler (the run's with the pool's decoding settings) valid, and scored as the run's is:

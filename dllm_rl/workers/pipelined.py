@@ -180,7 +180,8 @@ class PipelinedRollouts:
                 "rollout/regenerated": float(self.pipeline.counters["regenerated"]),
                 "rollout/worker_restarts": float(self.pipeline.counters["restarts"]),
                 "rollout/policy_version": float(self.publisher.version),
-                "rollout/publish_s": published, "rollout/learner_wait_s": waited, **self.meter(made, started)}
+                "rollout/publish_s": published, "rollout/snapshot_mb": self.publisher.last_mb,
+                "rollout/learner_wait_s": waited, **self.meter(made, started)}
 
     @property
     def version(self) -> int:

@@ -150,8 +150,13 @@ class RolloutWorker:
         return rank
 
     def load(self, snapshot: Snapshot) -> int:
-        """Load a published snapshot (checked against its checksum); its version."""
+        """Load a published snapshot (checked against its checksum); its version. The worker holds the weights
+        in the snapshot's dtype: a bf16 learner (`deepspeed.bf16=true`) publishes bf16 weights, and the worker's
+        model is cast to bf16 before loading them, so it samples with the learner's numbers."""
         state = load_verified(self.transport, snapshot)
+        dtype = snapshot_dtype(state)
+        if dtype is not None and dtype != next(self.policy.model.parameters()).dtype:
+            self.policy.model.to(dtype)
         self.policy.model.load_state_dict(state)
         self.snapshot = snapshot
         return snapshot.version
@@ -180,6 +185,12 @@ class RolloutWorker:
         import ray
 
         return ray.get_runtime_context().get_node_id()
+
+
+def snapshot_dtype(state: dict[str, torch.Tensor]) -> torch.dtype | None:
+    """The one floating dtype of a state dict's tensors (None where they mix dtypes, or hold none)."""
+    dtypes = {t.dtype for t in state.values() if t.is_floating_point()}
+    return dtypes.pop() if len(dtypes) == 1 else None
 
 
 def worker_device(option: str, pool: str) -> torch.device:

@@ -89,7 +89,8 @@ class RemoteRollouts:
         flat = [chunk for chunks in every for chunk in chunks]
         results = self.pool.generate([(p, s) for _, p, s in flat], [w for w, _, _ in flat]) if flat else []
         lags = [step - r.step for r in results] or [0]
-        pooled = self.meter([(r, step - r.step) for r in results], started)
+        pooled = {**self.meter([(r, step - r.step) for r in results], started),
+                  "rollout/snapshot_mb": self.publisher.last_mb}
         checksum = self.publisher.latest.checksum
         if any(lag != 0 for lag in lags) or any(r.checksum != checksum for r in results):
             raise WorkersError(f"step {step}: workers answered from policy steps {[r.step for r in results]} "

@@ -87,12 +87,14 @@ class Publisher:
         if keep < 1:
             raise ValueError(f"keep={keep}: at least the newest snapshot must stay published")
         self.transport, self.version, self.keep = transport, version, keep
+        self.last_mb = 0.0  # the newest snapshot's size in MiB (bf16 weights: half of fp32's)
         self.alive: deque[Snapshot] = deque()
 
     def publish(self, state: dict[str, torch.Tensor], step: int) -> Snapshot:
         if self.alive and step < self.alive[-1].step:
             raise ValueError(f"publishing step {step} after step {self.alive[-1].step}: versions never go back")
         self.version += 1
+        self.last_mb = sum(t.numel() * t.element_size() for t in state.values()) / 2**20
         snapshot = Snapshot(self.version, step, self.transport.put(state), checksum(state))
         self.alive.append(snapshot)
         while len(self.alive) > self.keep:
