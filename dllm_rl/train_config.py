@@ -257,12 +257,11 @@ class TrainConfig:
                 (engine_options(self.deepspeed)[0].get("stage", 0) == 0,
                  f"ZeRO stage 0 (deepspeed={self.deepspeed.get('name')!r} keeps gradients in partitions, which a "
                  f"normaliser known only at the end cannot rescale): set deepspeed=zero0"),
-                (self.external.get("name") == "none" or self.mixing.get("statistic") != "running",
-                 f"no running external baseline (mixing.statistic={self.mixing.get('statistic')!r} moves by the whole "
-                 f"step's rewards): set mixing.statistic=constant"),
-                (self.external.get("name") == "none" or self.mixing.get("correction") != "is",
-                 "no external importance weights (mixing.correction='is' normalises over the whole step): set "
-                 "mixing.correction=none")):
+                (self.external.get("name") == "none" or self.mixing.get("correction") != "is"
+                 or not self.mixing.get("is_self_normalize", True),
+                 "no self-normalised external importance weights (mixing.correction='is' with "
+                 "mixing.is_self_normalize=true divides by their mean over the whole step): set "
+                 "mixing.is_self_normalize=false (each row's capped weight alone) or mixing.correction=none")):
             require(ok, f"workers.pipe=true trains each group as it arrives and needs {what}, or workers.pipe=false")
 
     @property

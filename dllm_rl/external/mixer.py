@@ -13,6 +13,7 @@ tokens weigh what a token-level row's tokens weigh.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import warnings
@@ -119,6 +120,7 @@ class ExternalMixer:
                 f"rollout; the {source.name} source gives one log-prob per whole rollout: choose mixing.length_rule="
                 f"drop or shortest, or mixing.correction=none")
         self.baseline = 0.0  # running mean of external rewards (statistic=running); saved with checkpoints
+        self.held: list[torch.Tensor] | None = None  # a piped step's external rewards, while `baseline_held`
         self.warned: set[str] = set()
 
     def check_source(self, examples: list[Example], print_fn=print) -> None:
@@ -270,7 +272,23 @@ class ExternalMixer:
         if ext is not None:
             ext.adv_N = adv_ext.to(torch.float32)
             ext.weigh("mixing", torch.full((len(ext),), c.weight, device=device))
-        self.baseline = mixing.running_baseline(self.baseline, gather(ext_rewards)[0], c.baseline_decay)
+        rewards = gather(ext_rewards)[0]
+        if self.held is not None:
+            self.held.append(rewards)
+        else:
+            self.baseline = mixing.running_baseline(self.baseline, rewards, c.baseline_decay)
+
+    @contextlib.contextmanager
+    def baseline_held(self):
+        """Complete-group pipelining: while a step's groups take their advantages one at a time, the running
+        baseline stays at its value at the step's start (A = r - b uses the baseline of earlier steps only), and
+        when the step's last group is in it moves once by the mean of all their external rewards: the synchronous
+        step's baseline, the same advantages (tested). Left unmoved if the step fails part way."""
+        self.held = []
+        yield
+        held, self.held = self.held, None
+        if held:
+            self.baseline = mixing.running_baseline(self.baseline, torch.cat(held), self.config.baseline_decay)
 
     def importance_weights(self, ext: Rows | None, gather: Gather = local_only) -> dict[str, float]:
         """Multiply the external rows' weights by the capped importance weights pi_old / mu (correction=is),

@@ -6,10 +6,13 @@ loss normaliser, known only once every group is in, is applied; tested against `
 
 It works at any staleness bound (at S = 0 the step's groups are its own, from this step's weights: on-policy) and
 needs what keeps every stage before the update local to a group: one inner iteration and one minibatch (one
-update per step), no curation (its decisions are over the whole step), ERILS without the running baseline or the
-self-normalised importance weights (both over the step's rows), ZeRO stage 0 in one learner process
+update per step), no curation (its decisions are over the whole step), ERILS without self-normalised importance
+weights (`mixing.correction=is` with `is_self_normalize`: divided by their mean over the step's rows), ZeRO stage 0
+in one learner process
 (`Engine.stream_update`); the config refuses the rest by name. The Sparse-RL correction's metrics (`correction/*`)
-are then means of each group's, weighted by its rows.
+are then means of each group's, weighted by its rows. ERILS's running baseline (`mixing.statistic=running`) is held
+at its value at the step's start while the groups arrive and moved once at the end (`ExternalMixer.baseline_held`):
+the synchronous step's advantages.
 
 The step's metrics: `perf/rollout_s` is the time the learner waited for groups (its idle time, also
 `rollout/learner_wait_s`), `perf/external_s` and `perf/score_s` the per-group stages added up, `perf/update_s`
@@ -18,6 +21,7 @@ the rest (forwards, backwards, the optimizer step).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import torch
@@ -42,7 +46,9 @@ def run_piped_step(parts: StepParts, step: int, timer: PhaseTimer) -> tuple[Step
 
     start = time.perf_counter()
     timer.current = "update"
-    update_metrics, groups = parts.learner.update_stream(stage.stream(step), prepare)
+    mixer = parts.external.mixer if parts.external is not None else None
+    with mixer.baseline_held() if mixer is not None else contextlib.nullcontext():
+        update_metrics, groups = parts.learner.update_stream(stage.stream(step), prepare)
     batch = merge_groups(groups, parts.pad_id)
     for each in AFTER_UPDATE:
         each.run(parts, batch)

@@ -53,9 +53,17 @@ def both_ways(task, tmp_path, monkeypatch, **extra):
     return local, piped
 
 
-@pytest.mark.parametrize("extra", [{"external": {"name": "solver"}, "group_size": 3},
+# ERILS with its running baseline (held at the step's start value while the groups arrive, moved once at the end)
+# and the capped importance weights of each row alone (not self-normalised: a row's weight is its own)
+RUNNING_IS = {"statistic": "running", "baseline_decay": 0.5, "correction": "is", "is_self_normalize": False,
+              "length_rule": "truncate", "keep": "all"}
+
+
+@pytest.mark.parametrize("extra", [{"external": {"name": "solver"}, "group_size": 3,
+                                    "mixing": {"length_rule": "truncate", "keep": "all"}},  # external rows kept
+                                   {"external": {"name": "solver"}, "group_size": 3, "mixing": RUNNING_IS},
                                    {"algo": {**SMALL["algo"], "aggregation": "sequence", "beta": 0.05}}],
-                         ids=["erils", "sequence+kl"])
+                         ids=["erils", "erils+running+is", "sequence+kl"])
 def test_a_piped_step_equals_the_synchronous_update(extra, saved_model, tmp_path, monkeypatch):
     local, piped = both_ways(DigitShare(), tmp_path, monkeypatch, model=saved_model, **extra)
     a, b, start = weights(latest_checkpoint(local)), weights(latest_checkpoint(piped)), weights(saved_model)
@@ -70,7 +78,10 @@ def test_a_piped_step_equals_the_synchronous_update(extra, saved_model, tmp_path
     for key in ("loss/policy", "loss/kl", "policy/grad_norm", "adv/on_policy"):
         assert [m[key] for m in ours] == pytest.approx([m[key] for m in theirs], rel=1e-4, abs=1e-7), key
     if "external" in extra:
-        assert [m["external/rows"] for m in ours] == [m["external/rows"] for m in theirs]
+        assert [m["external/rows"] for m in ours] == [m["external/rows"] for m in theirs] and ours[0]["external/rows"]
+        for key in ("adv/external", "external/weight_mean"):
+            if key in ours[0]:
+                assert [m[key] for m in ours] == pytest.approx([m[key] for m in theirs], rel=1e-5), key
     assert all(m["rollout/learner_wait_s"] == 0.0 and m["perf/update_s"] > 0 for m in theirs)
 
 
@@ -111,7 +122,7 @@ def test_pipe_refuses_what_is_not_local_to_a_group_by_name(saved_model, tmp_path
                          ({"minibatch_size": 4}, "minibatch_size=4 for 8 rows"),
                          ({"curation": {"name": "greso"}}, "curation="),
                          ({"deepspeed": {"name": "zero1", "stage": 1}}, "ZeRO stage 0"),
-                         ({"external": {"name": "solver"}, "mixing": {"statistic": "running"}}, "statistic='running'"),
+                         ({"external": {"name": "solver"}, "mixing": {"correction": "is"}}, "is_self_normalize=true"),
                          ({"workers": {"count": 0, "pipe": True}}, "workers.pipe=true needs rollout workers")):
         with pytest.raises(ConfigError, match=match):
             train(DigitShare(), model=saved_model, run_dir=str(tmp_path / "r"), steps=1,
