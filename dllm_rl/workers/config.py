@@ -10,7 +10,7 @@ from typing import Any
 from dllm_rl.errors import check_kwargs, check_ranges, check_types, require
 
 
-TRANSPORTS = ("object_store", "broadcast")
+TRANSPORTS = ("object_store", "broadcast", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
 # the sampler settings a pool may set for itself: how fast a rollout is decoded, never the window it fills or the
 # distribution it samples from (gen_length, steps, temperature... stay the run's `rollout` group)
@@ -66,7 +66,7 @@ class WorkersConfig:
     max_staleness: int = 0  # S: policy versions a group may lag the step that trains on it (0 = synchronous)
     pipe: bool = False  # complete-group pipelining: each finished group's backward while the others generate
     sync_every: int = 1  # publish the learner's weights to the workers every this many updates (needs S >= it - 1)
-    transport: str = "object_store"  # how snapshots travel: object_store (Ray's) | broadcast (a gloo group)
+    transport: str = "object_store"  # how snapshots travel: object_store (Ray's) | broadcast (gloo) | nccl (GPU to GPU)
     pools: dict[str, Any] | None = None  # {name: pool settings}: heterogeneous pools in place of `count` alike workers
 
     def __post_init__(self) -> None:
@@ -78,8 +78,8 @@ class WorkersConfig:
                                   ("object_store_mb", self.object_store_mb >= 80, ">= 80 (Ray's minimum is 75 MiB)")):
             require(ok, f"workers.{key} must be {expected}, got {getattr(self, key)!r}")
         require(self.transport in TRANSPORTS, f"workers.transport={self.transport!r}: expected one of {TRANSPORTS}")
-        require(self.transport != "broadcast" or (self.max_staleness == 0 and not self.pipe),
-                f"workers.transport=broadcast with workers.max_staleness={self.max_staleness}, workers.pipe="
+        require(self.transport == "object_store" or (self.max_staleness == 0 and not self.pipe),
+                f"workers.transport={self.transport} with workers.max_staleness={self.max_staleness}, workers.pipe="
                 f"{self.pipe}: a broadcast needs every worker at once, which only synchronous workers are; use "
                 f"workers.transport=object_store")
         require(self.max_staleness >= self.sync_every - 1,
@@ -89,7 +89,12 @@ class WorkersConfig:
         require(self.pools is None or self.count == 0,
                 f"workers.count={self.count} with workers.pools: the pools say how many workers there are; set "
                 f"workers.count=0 (or workers.pools=null for {self.count} alike workers)")
-        self.pool_list()  # every pool's settings checked here, before anything starts
+        pools = self.pool_list()  # every pool's settings checked here, before anything starts
+        cpu = [p.name for p in pools if p.gpus == 0 or p.device == "cpu"]
+        require(self.transport != "nccl" or not cpu,
+                f"workers.transport=nccl with pool(s) {cpu} on the CPU: nccl broadcasts from the learner's GPU to GPU "
+                f"workers; give every pool a GPU (workers.pools.<name>.gpus) or use "
+                f"workers.transport=broadcast (gloo, host memory)")
 
     def pool_list(self) -> list[PoolConfig]:
         """The pools, in their config order: `pools`, each pool's threads and cpus defaulting to the group's; or

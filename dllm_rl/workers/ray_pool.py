@@ -142,11 +142,14 @@ class RolloutWorker:
         self.transport: Any = RayStore()
         self.pool = pool
 
-    def join_broadcast(self, host: str, port: int, rank: int, size: int, timeout_s: float) -> int:
-        """Receive snapshots by the learner's broadcast from now on (`workers.transport=broadcast`)."""
+    def join_broadcast(self, host: str, port: int, rank: int, size: int, timeout_s: float,
+                       backend: str = "gloo") -> int:
+        """Receive snapshots by the learner's broadcasts from now on (`workers.transport=broadcast` or `nccl`: into
+        host memory, or into this worker's GPU)."""
         from dllm_rl.workers.broadcast import BroadcastGroup, BroadcastReceiver
 
-        self.transport = BroadcastReceiver(BroadcastGroup(host, port, rank, size, timeout_s))
+        device = self.policy.device if backend == "nccl" else "cpu"
+        self.transport = BroadcastReceiver(BroadcastGroup(host, port, rank, size, timeout_s, backend, device))
         return rank
 
     def load(self, snapshot: Snapshot) -> int:
@@ -252,16 +255,21 @@ class WorkerPool:
                 cause = [line for line in str(error).splitlines() if line.strip()][-1].strip()
                 raise WorkersError(f"a rollout worker of pool {pool.name!r} failed to start: {cause}") from None
 
-    def join_broadcast(self) -> None:
-        """Form the broadcast group of this process (rank 0) and the workers; snapshots then travel by it."""
+    def join_broadcast(self, backend: str = "gloo") -> None:
+        """Form the broadcast group of this process (rank 0) and the workers; snapshots then travel by it (gloo:
+        from host memory; nccl: from this process's current GPU to each worker's)."""
         import ray
 
         from dllm_rl.engine.dist import free_port
         from dllm_rl.workers.broadcast import BroadcastGroup, BroadcastSender
 
         host, port, size = ray.util.get_node_ip_address(), free_port(), len(self.actors) + 1
-        refs = [a.join_broadcast.remote(host, port, i + 1, size, self.timeout_s) for i, a in enumerate(self.actors)]
-        self.sender = BroadcastSender(BroadcastGroup(host, port, 0, size, self.timeout_s))
+        refs = [a.join_broadcast.remote(host, port, i + 1, size, self.timeout_s, backend)
+                for i, a in enumerate(self.actors)]
+        # cpu: gloo's side of the learner is host memory; nccl's is the learner's GPU
+        gpu = backend == "nccl" and torch.cuda.is_available()  # else the group names the mismatch
+        device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+        self.sender = BroadcastSender(BroadcastGroup(host, port, 0, size, self.timeout_s, backend, device))
         self.wait(refs, "joining the broadcast group")
 
     def wait(self, refs: list, what: str) -> list:

@@ -25,6 +25,7 @@ import torch
 from dllm_rl.buffer import Rows, concat_rows
 from dllm_rl.collect import InProcessRollouts, StepBatch, rollout_keys, rollout_metrics
 from dllm_rl.data_parallel import DataParallel
+from dllm_rl.workers.broadcast import BACKENDS
 from dllm_rl.workers.config import PoolConfig, WorkersConfig
 from dllm_rl.workers.errors import WorkersError
 from dllm_rl.workers.pools import PoolMeter, assign_groups, worker_weights
@@ -171,9 +172,9 @@ def build_remote_rollouts(config: WorkersConfig, model: str, sampler: dict[str, 
     pool, owns, publisher = None, False, None
     if dp.world.is_main:
         pool, owns = start_workers(config, model, sampler, bf16, trust_remote_code)
-        if config.transport == "broadcast":
+        if config.transport in BACKENDS:
             try:
-                pool.join_broadcast()
+                pool.join_broadcast(BACKENDS[config.transport])
             except Exception:
                 pool.close()
                 if owns:
