@@ -21,6 +21,13 @@ S = 0 is the synchronous loop, run in process), every --eval-every steps, as a t
     python scripts/bench_workers.py --out docs/bench_workers.json
     python scripts/bench_workers.py --curves 0 1 2 4 --curve-steps 40 --out docs/bench_workers_curves.json
     python scripts/bench_workers.py --modes in-process pipe/w1 async-s2/w1 --steps 4 --warmup 1   # a quick look
+    python scripts/bench_workers.py --ranks 2 --out docs/bench_workers_ranks2.json
+
+With --ranks N every run is N learner processes (torchrun, one thread each, ZeRO --zero-stage) and the modes are
+in-process, synchronous and asynchronous (S = 1, 2) with one worker (pipelining serves one learner process); the
+table is followed by `dllm-rl plan`'s utilisation for the same S from the synchronous run's numbers (the learner's
+work per step, the publish, the batch, the worker's rollouts per second while generating), formula and simulation,
+beside the measured one.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ for w in (1, 2):
     MODES[f"pipe/w{w}"] = [f"workers.count={w}", "workers.pipe=true"]
     for s in (1, 2, 4):
         MODES[f"async-s{s}/w{w}"] = [f"workers.count={w}", f"workers.max_staleness={s}"]
+RANKED_MODES = ["in-process", "sync/w1", "async-s1/w1", "async-s2/w1"]  # what several learner ranks are measured in
 COMMON = ["task=sudoku", "eval_every=0", "checkpoint_every=0", "sample_every=0", "tensorboard=false",
           "sampler_correction.mode=weight", "workers.threads=1", "workers.timeout_s=300"]
 TRAINING = ("perf/external_s", "perf/score_s", "perf/update_s")
@@ -51,9 +59,17 @@ TRAINING = ("perf/external_s", "perf/score_s", "perf/update_s")
 def run_mode(name: str, args: argparse.Namespace, scratch: Path, extra: tuple[str, ...] = ()) -> list[dict]:
     """The metrics of one mode's run (its own process), after the warmup steps."""
     run_dir = scratch / name.replace("/", "-")
-    threads = str(args.threads if name == "in-process" else 1)
+    threads = str(args.threads if name == "in-process" and args.ranks == 1 else 1)
     env = {**os.environ, "OMP_NUM_THREADS": threads, "TMPDIR": tempfile.mkdtemp(prefix="b", dir="/tmp")}
-    command = [sys.executable, "-m", "dllm_rl.cli", "train", f"run_dir={run_dir}", f"steps={args.steps}",
+    launcher = [sys.executable, "-m", "dllm_rl.cli"]
+    if args.ranks > 1:  # N learner processes over gloo, one thread each
+        from dllm_rl.engine.dist import free_port
+
+        env["DS_ACCELERATOR"] = "cpu"
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.ranks),
+                    "--master_port", str(free_port()), "-m", "dllm_rl.cli"]
+        extra = (*extra, f"deepspeed=zero{args.zero_stage}")
+    command = [*launcher, "train", f"run_dir={run_dir}", f"steps={args.steps}",
                f"seed={args.seed}", *COMMON, *MODES[name], *extra, *args.overrides]
     start = time.perf_counter()
     out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -70,7 +86,26 @@ def summary(steps: list[dict]) -> dict[str, float]:
     busy = sum(mean(k) for k in TRAINING)
     return {"wall_s": wall, "idle_s": mean("perf/rollout_s"), "busy_s": busy, "utilisation": busy / wall,
             "lag_mean": mean("rollout/lag_mean"), "lag_max": max(m.get("rollout/lag_max", 0.0) for m in steps),
-            "ess": mean("correction/ess"), "reward": mean("reward/on_policy"), "steps": len(steps)}
+            "ess": mean("correction/ess"), "reward": mean("reward/on_policy"), "steps": len(steps),
+            "publish_s": mean("rollout/publish_s"), "batch": mean("rollouts/on_policy"),
+            "throughput": mean("pool/default/throughput")}
+
+
+def plan_check(results: dict[str, dict[str, float]], group_size: int) -> list[dict[str, float]]:
+    """`dllm-rl plan`'s learner utilisation at S = 0, 1, 2 for the one worker measured, from the synchronous run's
+    numbers (dllm_rl/workers/plan.py: the closed form and the event-by-event simulation), beside the measured."""
+    from dllm_rl.workers.plan import Pipeline, simulate
+
+    sync = results["sync/w1"]
+    out = []
+    for S, mode in ((0, "sync/w1"), (1, "async-s1/w1"), (2, "async-s2/w1")):
+        if mode not in results:
+            continue
+        pipeline = Pipeline(sync["busy_s"], sync["publish_s"], int(round(sync["batch"])), S)
+        speeds = [sync["throughput"]]
+        out.append({"S": S, "measured": results[mode]["utilisation"],
+                    "plan": pipeline.utilisation(speeds, group_size), "simulated": simulate(pipeline, speeds, group_size)})
+    return out
 
 
 def projection(base: dict[str, float], workers: tuple[int, ...] = (1, 2, 4, 8)) -> list[dict[str, float]]:
@@ -130,8 +165,16 @@ def main() -> None:
     parser.add_argument("--curves", type=int, nargs="+", default=None, help="held-out curves for these S instead")
     parser.add_argument("--curve-steps", type=int, default=40)
     parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--ranks", type=int, default=1, help="learner processes per run (torchrun, gloo)")
+    parser.add_argument("--zero-stage", type=int, default=3, help="the ZeRO stage of runs with --ranks > 1")
     parser.add_argument("overrides", nargs="*", help="more key=value overrides for every run")
     args = parser.parse_args()
+    if args.ranks > 1:
+        if args.modes == list(MODES):
+            args.modes = RANKED_MODES
+        bad = [m for m in args.modes if m.startswith("pipe")]
+        if bad:
+            parser.error(f"--ranks {args.ranks} with {bad}: pipelining serves one learner process")
     if args.curves is not None:
         curves(args)
         return
@@ -140,7 +183,15 @@ def main() -> None:
     modes = ["in-process"] + [m for m in args.modes if m != "in-process"]  # the baseline, always, first
     with tempfile.TemporaryDirectory() as scratch:
         results = {name: summary(run_mode(name, args, Path(scratch))) for name in modes}
+        group_size = json.loads((Path(scratch) / modes[0].replace("/", "-") / "config.json").read_text())["group_size"]
     print(table(results))
+    checked = []
+    if "sync/w1" in results:
+        checked = plan_check(results, group_size)
+        print("\nlearner utilisation, measured against dllm-rl plan's (from the sync/w1 run's numbers):")
+        print("| S | measured | plan (formula) | plan (simulated) |\n|---|---|---|---|")
+        for c in checked:
+            print(f"| {c['S']} | {c['measured']:.2f} | {c['plan']:.2f} | {c['simulated']:.2f} |")
     project = projection(results["in-process"])
     print("\nprojected learner utilisation with W workers (rollout and training seconds measured in process):")
     for p in project:
@@ -148,7 +199,9 @@ def main() -> None:
     if args.out is not None:
         args.out.write_text(json.dumps({"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
                                         "steps": args.steps, "warmup": args.warmup, "overrides": args.overrides,
-                                        "results": results, "projection": project}, indent=2) + "\n")
+                                        "ranks": args.ranks, "zero_stage": args.zero_stage if args.ranks > 1 else None,
+                                        "results": results, "projection": project, "plan_check": checked},
+                                       indent=2) + "\n")
 
 
 if __name__ == "__main__":

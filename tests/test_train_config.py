@@ -8,6 +8,7 @@ from dllm_rl import cli
 from dllm_rl.errors import ConfigError
 from dllm_rl.external.mixer import MixingConfig
 from dllm_rl.train_config import GROUP_DEFAULTS, TrainConfig
+from dllm_rl.workers.config import WorkersConfig
 
 
 def composed_train_yaml() -> dict:
@@ -72,6 +73,21 @@ def test_the_8b_recipes_compose_into_valid_configs(experiment):
     assert (config.group_size, config.inner_iterations, config.lora["r"], config.deepspeed["stage"]) == (6, 12, 128, 2)
     assert (config.algo["eps_low"], config.algo["beta"]) == (0.5, 0.04) and config.gradient_checkpointing
     assert config.external["name"] == ("causal_lm" if experiment == "llada8b_erils" else "none")
+
+
+def test_the_asynchronous_8b_recipe_shards_the_learner_and_bounds_the_staleness():
+    """llada8b_erils_async: ERILS's recipe with the learner at ZeRO-3 in bf16 and GPU rollout workers at S = 2 on
+    a cluster, the truncated correction on by `auto`; it passes every check of TrainConfig once the cluster is given."""
+    overrides = ["+experiment=llada8b_erils_async", "model=/models/x", "task=gsm8k", "workers.address=10.0.0.1:6379"]
+    cfg = cli.to_plain(cli.compose_config("train", overrides))
+    cfg.pop("task")
+    config = TrainConfig.from_options(cfg)
+    assert (config.deepspeed["stage"], config.deepspeed["bf16"], config.external["name"]) == (3, True, "causal_lm")
+    workers = WorkersConfig(**config.workers)
+    assert (workers.max_staleness, workers.transport, workers.size, workers.pipe) == (2, "object_store", 8, False)
+    assert all(p.gpus == 1 and p.device == "cuda" for p in workers.pool_list())
+    assert config.correction().mode == "weight"  # auto: rows from older policies need the truncated weight
+    assert (config.group_size, config.inner_iterations, config.lora["r"]) == (6, 12, 128)  # d1's, as llada8b_erils
 
 
 def test_the_espo_recipe_has_espos_settings():

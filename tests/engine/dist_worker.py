@@ -227,7 +227,9 @@ def main(out: Path, model: str, command: str, *args: str) -> None:
         for stage in map(int, args):
             run_train(out, model, stage, name=f"workers_zero{stage}", workers={"count": 2, "timeout_s": 120})
     elif command == "async":  # asynchronous workers under several ranks: kill (worker and learner), or resume
-        run_async(out, model, args[0], int(args[1]))
+        run_async(out, model, args[0], int(args[1]))  # (and then, in the same launch, the synchronous workers' run)
+        if args[0] == "resume":
+            run_train(out, model, int(args[1]), name=f"workers_zero{args[1]}", workers={"count": 2, "timeout_s": 120})
     elif command == "lora":  # LoRA with the adapter-off reference at the given stages, and at stage 3 with
         for stage in map(int, args):  # gradient checkpointing
             run_train(out, model, stage, lora=True)

@@ -90,27 +90,11 @@ def test_every_stage_agrees_with_the_single_process_run(runs):
     assert any(not torch.equal(start[k], moved[k]) for k in start)
 
 
-def test_two_learner_ranks_with_rollout_workers_train_as_with_their_own_rollouts(runs):
-    """Synchronous rollout workers under two learner ranks at ZeRO-3 (rank 0 holds the pool; every rank takes
-    part in gathering the weights it publishes): the two-rank run with in-process rollouts, step for step."""
-    root, _, two = runs
-    launched(two, str(root / "model"), "workers", "3")  # ZeRO-3: the publish gathers (stages 0-2 hold whole weights)
-    for stage in (3,):
-        ours, theirs = metrics(two / f"zero{stage}"), metrics(two / f"workers_zero{stage}")
-        assert [m["reward/on_policy"] for m in ours] == [m["reward/on_policy"] for m in theirs], stage
-        assert [m["rollout/policy_version"] for m in theirs] == [1.0, 2.0]
-        a, b = weights(two / f"zero{stage}", 2), weights(two / f"workers_zero{stage}", 2)
-        assert all(torch.equal(a[k], b[k]) for k in a), stage
-
-
-def test_asynchronous_workers_serve_two_ranks_at_zero3_through_a_killed_worker_and_a_killed_learner(runs):
-    """S = 1 with two Ray workers under two learner ranks at ZeRO-3 (rank 0 holds the pipeline and its one
-    admission): a worker SIGKILLed at step 2 has its groups regenerated, rank 0 SIGKILLed after logging step 3
-    ends the launch, and the resumed run finishes. Every step's lag is within S; each step's groups are split
-    whole over the ranks; no group is trained on twice, before or after the resume; no step is logged twice; and
-    nothing of either launch's Ray is left (its processes, its session directories, shared memory)."""
-    from tests.workers.conftest import processes_mentioning
-
+@pytest.fixture(scope="module")
+def worker_runs(runs):
+    """Two launches with Ray rollout workers at ZeRO-3, each Ray under its own short TMPDIR: asynchronous workers
+    (S = 1) with worker 1 SIGKILLed at step 2 and rank 0 SIGKILLed after logging step 3; then that run resumed to
+    its end and, in the same launch, the synchronous workers' run. The output directory and the TMPDIR root."""
     root, _, _ = runs
     out, short = root / "async", Path(tempfile.mkdtemp(prefix="t", dir="/tmp"))  # Ray's sockets need short paths
     out.mkdir()
@@ -118,10 +102,35 @@ def test_asynchronous_workers_serve_two_ranks_at_zero3_through_a_killed_worker_a
     killed = launch(out, str(root / "model"), "async", "kill", "3", env={"TMPDIR": str(short)})
     assert killed.returncode != 0 and not (out / "done_async_rank0.json").exists(), killed.stderr[-3000:]
     before = metrics(out / "async_zero3")
+    launched(out, str(root / "model"), "async", "resume", "3", env={"TMPDIR": str(short)})
+    yield out, short, shared, before
+    shutil.rmtree(short, ignore_errors=True)
+
+
+def test_two_learner_ranks_with_rollout_workers_train_as_with_their_own_rollouts(runs, worker_runs):
+    """Synchronous rollout workers under two learner ranks at ZeRO-3 (rank 0 holds the pool; every rank takes
+    part in gathering the weights it publishes): the two-rank run with in-process rollouts, step for step."""
+    _, _, two = runs
+    out = worker_runs[0]
+    ours, theirs = metrics(two / "zero3"), metrics(out / "workers_zero3")  # ZeRO-3: the publish gathers
+    assert [m["reward/on_policy"] for m in ours] == [m["reward/on_policy"] for m in theirs]
+    assert [m["rollout/policy_version"] for m in theirs] == [1.0, 2.0]
+    a, b = weights(two / "zero3", 2), weights(out / "workers_zero3", 2)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_asynchronous_workers_serve_two_ranks_at_zero3_through_a_killed_worker_and_a_killed_learner(worker_runs):
+    """S = 1 with two Ray workers under two learner ranks at ZeRO-3 (rank 0 holds the pipeline and its one
+    admission): a worker SIGKILLed at step 2 has its groups regenerated, rank 0 SIGKILLed after logging step 3
+    ends the launch, and the resumed run finishes. Every step's lag is within S; each step's groups are split
+    whole over the ranks; no group is trained on twice, before or after the resume; no step is logged twice; and
+    nothing of either launch's Ray is left (its processes, its session directories, shared memory)."""
+    from tests.workers.conftest import processes_mentioning
+
+    out, short, shared, before = worker_runs
     assert [m["step"] for m in before] == [1, 2, 3]
     # the dead worker's groups (started at step 2 for step 3) failed, were made again and its actor restarted
     assert before[-1]["rollout/worker_restarts"] >= 1 and before[-1]["rollout/regenerated"] >= 1
-    launched(out, str(root / "model"), "async", "resume", "3", env={"TMPDIR": str(short)})
     lines = metrics(out / "async_zero3")
     assert [m["step"] for m in lines] == [1, 2, 3, 4]  # step 3 of the killed launch was cut back and made again
     assert all(m["rollout/lag_max"] <= 1 and m["rollout/lag_violations"] == 0 for m in lines)
@@ -144,7 +153,6 @@ def test_asynchronous_workers_serve_two_ranks_at_zero3_through_a_killed_worker_a
     while time.time() < deadline and (processes_mentioning(str(short)) or list(short.glob("dllm-ray-*"))):
         time.sleep(0.5)
     assert not processes_mentioning(str(short)) and not list(short.glob("dllm-ray-*"))
-    shutil.rmtree(short)
 
 
 def assert_weights_agree(got: dict[str, torch.Tensor], base: dict[str, torch.Tensor], label) -> None:
