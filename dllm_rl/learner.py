@@ -85,16 +85,17 @@ class Learner:
 
     def update_stream(self, groups: Iterable[StepBatch], prepare: Callable[[StepBatch], None]
                       ) -> tuple[dict[str, float], list[StepBatch]]:
-        """Complete-group pipelining (RolloutPipe; one process, ZeRO stage 0, one inner iteration, one minibatch):
+        """Complete-group pipelining (RolloutPipe; ZeRO stage 0 or 3, one inner iteration, one minibatch):
         each group, as it arrives from `groups`, goes through `prepare` (external rows, advantages, scoring) and
         straight into its forward and backward passes while the next is still generating; one optimizer step
         when the last is in. The loss is the synchronous update's: each pass's sum over its units, the
-        accumulated gradient divided by the step's units once they are known (`Engine.stream_update`), so the
-        update equals `update`'s up to float rounding (tested). Every row counts towards the units, as in
-        `update` (`minibatch_units`). A group without signal makes no pass when beta = 0 (its gradient is zero);
-        with beta > 0 its passes carry the KL term, and they are made once a group with signal has arrived (a
-        step without signal makes no update, as in `update`). Returns the update's metrics and the groups,
-        prepared and trained on."""
+        accumulated gradient divided by the step's units over all ranks once they are known
+        (`Engine.stream_update`), so the update equals `update`'s up to float rounding (tested). Every row counts
+        towards the units, as in `update` (`minibatch_units`). A group without signal (on every rank: with
+        several ranks each takes one group a round, a stand-in where it has none, and the decision is the
+        round's) makes no pass when beta = 0 (its gradient is zero); with beta > 0 its passes carry the KL term,
+        and they are made once a group with signal has arrived (a step without signal makes no update, as in
+        `update`). Returns the update's metrics and the groups, prepared and trained on."""
         aggregation = self.loss_options.get("aggregation", "token")
         with_kl = self.loss_options.get("beta", 0.0) > 0
         seen: list[StepBatch] = []
@@ -110,7 +111,7 @@ class Learner:
                 parts = list(group.rows.values())
                 picks = [torch.arange(len(p)) for p in parts]  # cpu: row indices, as the minibatch plan's
                 units[0] += minibatch_units(parts, picks, aggregation)
-                flat = not any(bool(has_signal(p).any()) for p in parts)
+                flat = not self.dp.any(any(bool(has_signal(p).any()) for p in parts))
                 if flat and not with_kl:
                     continue
                 passes = [functools.partial(self.piece_loss, parts, piece, 0, 1.0, measured)
@@ -121,7 +122,11 @@ class Learner:
                     yield from held
                     held.clear()
 
-        update = self.engine.stream_update(makers(), scale=lambda: 1.0 / max(units[0], 1.0))
+        def scale() -> float:  # once every group is in: the step's units over all ranks
+            units[0] = self.dp.total(units[0])
+            return 1.0 / max(units[0], 1.0)
+
+        update = self.engine.stream_update(makers(), scale=scale)
         losses = []
         if update is not None and not update.applied:
             self.bad_update(seen[0].step if seen else -1, update.skipped)

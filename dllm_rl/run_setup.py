@@ -190,11 +190,6 @@ def setup(task: Task, cfg: TrainConfig, print_fn, saved_config: dict | None, all
     # Join first, then read files: a rank that fails on them (the model's config, the external model, the data
     # files) posts its reason for its peers (engine/rendezvous.py) instead of leaving them at the rendezvous.
     world = init_distributed(timeout_s)  # rank 0 of 1 without a launcher
-    workers = WorkersConfig(**cfg.workers)
-    require(world.size == 1 or workers.size == 0 or not workers.pipe,
-            f"workers.pipe=true with {world.size} learner ranks: complete-group pipelining serves one learner process "
-            f"so far; launch one process, or set workers.pipe=false (asynchronous workers, workers.max_staleness > 0, "
-            f"serve several ranks)")
     torch.manual_seed(derive_seed(cfg.seed, "global", world.rank))  # dropout's draws (`train` forks the state)
     check_model_files(cfg)
     device = default_device()  # this rank's GPU (LOCAL_RANK) where there is one: every stage's tensors go there

@@ -254,9 +254,14 @@ class TrainConfig:
                  f"{self.minibatch_size} for {rows} rows): set inner_iterations=1 minibatch_size={rows}"),
                 (not check_curation(self.curation), f"no curation (curation={check_curation(self.curation)} decides "
                  f"over the whole step): set curation=none"),
-                (engine_options(self.deepspeed)[0].get("stage", 0) == 0,
-                 f"ZeRO stage 0 (deepspeed={self.deepspeed.get('name')!r} keeps gradients in partitions, which a "
-                 f"normaliser known only at the end cannot rescale): set deepspeed=zero0"),
+                (engine_options(self.deepspeed)[0].get("stage", 0) in (0, 3),
+                 f"ZeRO stage 0 or 3 (deepspeed={self.deepspeed.get('name')!r} reduces gradients into partitions at "
+                 f"the boundary, where a normaliser known only at the end is not applied): set deepspeed=zero0 or "
+                 f"zero3"),
+                (not self.deepspeed.get("bf16", False),
+                 "DeepSpeed's fp32 weights (deepspeed.bf16=true accumulates the gradient in fp32 buffers of its own, "
+                 "which a normaliser known only at the end does not reach): set deepspeed.bf16=false (bf16 autocast, "
+                 "the top-level bf16, still applies)"),
                 (self.external.get("name") == "none" or self.mixing.get("correction") != "is"
                  or not self.mixing.get("is_self_normalize", True),
                  "no self-normalised external importance weights (mixing.correction='is' with "

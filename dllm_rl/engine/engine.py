@@ -112,20 +112,26 @@ class Engine:
 
     def stream_update(self, makers: Iterable[Callable[[], torch.Tensor]], scale: Callable[[], float]) -> Update | None:
         """One optimizer update from losses that arrive one at a time (complete-group pipelining): `makers` may
-        block until its next loss can be made, and how many there are is known only at the end. Each loss is
-        made and back-propagated in turn; then the accumulated gradient is multiplied by `scale()` (the loss
-        normaliser, known once every group is in), clipped and stepped. None when `makers` gave nothing (no
-        update, no step). Stage 0 with one process only: the gradient must be whole in `.grad` to be rescaled
-        after the fact (ZeRO 1-2 reduce it into their partitions at the accumulation boundary, and with several
-        ranks the boundary would have to be agreed before the last loss is known). A non-finite loss skips the
-        update as in `update`."""
-        require(self.stage == 0 and self.world.size == 1,
-                f"a streamed update needs ZeRO stage 0 in one process (got stage {self.stage}, {self.world.size} "
-                f"ranks)")
+        block until its next loss can be made, and how many there are is known only at the end (as many on every
+        rank). Each loss is made and back-propagated in turn; then the accumulated gradient is multiplied by
+        `scale()` (the loss normaliser, known once every group is in), clipped and stepped. None when `makers`
+        gave nothing (no update, no step).
+
+        The late factor needs the gradient where it can be rescaled: at stage 0 it is whole in `.grad` (with
+        several ranks, summed over them here, once, after the last pass); at stage 3 each pass has reduced its
+        gradient into the ranks' fp32 partitions, and the factor is applied by the ZeRO optimizer's own unscaling
+        (its loss scale, 1 in fp32 and bf16, set to 1 / factor for the one step: the clipping then sees the
+        rescaled norm, as the synchronous update's does). ZeRO 1-2 (gradients reduced at the accumulation
+        boundary into partitions of their own) are not served. A non-finite loss skips the update as in `update`
+        (with several ranks every pass is still made, so the collectives stay in step, and the optimizer's
+        non-finite check discards the step)."""
+        require(self.stage in (0, 3),
+                f"a streamed update needs ZeRO stage 0 or 3 (got stage {self.stage}): stages 1-2 reduce the gradient "
+                f"into partitions at the boundary, where a late normaliser is not applied")
         made, makers = 0, iter(makers)
         for make in makers:
             loss = make()
-            if not math.isfinite(float(loss.detach())):
+            if self.world.size == 1 and not math.isfinite(float(loss.detach())):
                 del loss
                 self.ds.zero_grad()
                 for _ in makers:  # the rest still arrive (the step's groups are all taken), unused
@@ -137,10 +143,20 @@ class Engine:
             return None
         self.ds.set_gradient_accumulation_boundary(True)
         factor = scale()
-        for p in self.module.parameters():
-            if p.grad is not None:
-                p.grad.mul_(factor)
-        norm = self.step()
+        if self.stage == 3:
+            optimizer = self.ds.optimizer
+            optimizer.loss_scale = 1.0 / factor
+            try:
+                norm = self.step()
+            finally:
+                optimizer.loss_scale = 1.0
+        else:
+            if self.world.size > 1:
+                self.ds.allreduce_gradients()  # the mean over ranks (the losses carry the rank count)
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(factor)
+            norm = self.step()
         return Update(True, grad_norm=norm) if norm is not None else Update(False, skipped="non-finite gradient")
 
     def backward(self, loss: torch.Tensor, boundary: bool = True) -> None:

@@ -8,8 +8,9 @@ It works at any staleness bound (at S = 0 the step's groups are its own, from th
 needs what keeps every stage before the update local to a group: one inner iteration and one minibatch (one
 update per step), no curation (its decisions are over the whole step), ERILS without self-normalised importance
 weights (`mixing.correction=is` with `is_self_normalize`: divided by their mean over the step's rows), ZeRO stage 0
-in one learner process
-(`Engine.stream_update`); the config refuses the rest by name. The Sparse-RL correction's metrics (`correction/*`)
+or 3 (`Engine.stream_update`) and DeepSpeed's fp32 weights (its bf16 mode keeps the gradient in buffers of its own);
+the config refuses the rest by name. With several learner ranks the groups come in rounds, one per rank
+(`PipelinedRollouts.stream`), every rank running each round's stages and passes together. The Sparse-RL correction's metrics (`correction/*`)
 are then means of each group's, weighted by its rows. ERILS's running baseline (`mixing.statistic=running`) is held
 at its value at the step's start while the groups arrive and moved once at the end (`ExternalMixer.baseline_held`):
 the synchronous step's advantages.
@@ -65,7 +66,10 @@ def merge_groups(groups: list[StepBatch], pad_id: int) -> StepBatch:
     prompts one after the other in prompt order, each source's rows concatenated (prompts re-indexed), with their
     rewards, advantages, weights and clip counts (the scoring state, per group, is left out); counts and seconds
     added up, the other metrics weighted by each group's on-policy rows."""
-    groups = sorted(groups, key=lambda g: g.prompt_ids)  # in prompt order, as the synchronous step has them
+    real = [g for g in groups if not g.rows["on_policy"].inert]  # a rank's stand-ins (several ranks) left out
+    if not real:  # this rank had no group at all this step: its stand-in is its batch
+        return groups[0]
+    groups = sorted(real, key=lambda g: g.prompt_ids)  # in prompt order, as the synchronous step has them
     first = groups[0]
     merged = StepBatch(first.step, [], [], [], [], [], template=first.template)
     sources: dict[str, list[Rows]] = {}

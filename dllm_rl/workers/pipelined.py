@@ -27,6 +27,7 @@ metrics. A rank whose share is empty (fewer groups than ranks) takes the step's 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterator
@@ -119,23 +120,38 @@ class PipelinedRollouts:
                 for run in balanced_runs([self.group_size] * len(items), ranks)]
 
     def stream(self, step: int) -> Iterator[StepBatch]:
-        """Complete-group pipelining (`workers.pipe`): each of the step's groups as a batch of its own, verified,
-        as soon as it has finished; when the last is out, `streamed` holds the step's rollout/* metrics
-        (`rollout/learner_wait_s`: the seconds spent waiting for the groups, the learner's idle time)."""
+        """Complete-group pipelining (`workers.pipe`): the step's groups as batches of their own, verified, as soon
+        as they have finished; when the last is out, `streamed` holds the step's rollout/* metrics
+        (`rollout/learner_wait_s`: the seconds spent waiting for the groups, the learner's idle time).
+
+        With several learner ranks the groups go out in rounds, one group per rank a round (the next R to finish,
+        rank r taking the r-th), so that every rank runs each round's stages and passes together (their
+        collectives, and ZeRO-3's forwards, in step); a rank with no group in the last round takes it with a
+        stand-in batch. ceil(B / R) rounds, known on every rank."""
         started = time.perf_counter()
         published, waited, made = self.publish(step), 0.0, []
-        groups = self.pipeline.stream(step)
-        while True:
+        ranks = 1 if self.dp is None else self.dp.size
+        groups = self.pipeline.stream(step) if self.pipeline is not None else None
+        template = None
+        for _ in range(-(-self.prompts.per_step // ranks)):
             start = time.perf_counter()
-            group = next(groups, None)
+            shares = None
+            if groups is not None:  # rank 0: the next finished groups, at most one per rank
+                got = list(itertools.islice(groups, ranks))
+                made += [(result, lag) for _, result, lag in got]
+                items = [(*self.drawn.pop(job.key), result) for job, result, _ in got]
+                template = template or items[0][1]
+                shares = [([items[r]] if r < len(items) else [], template) for r in range(ranks)]
+            mine, template = shares[0] if self.dp is None else self.dp.scatter_objects(shares)
             waited += time.perf_counter() - start
-            if group is None:
-                break
-            job, result, lag = group
-            made.append((result, lag))
-            yield self.batch_of(step, [(*self.drawn.pop(job.key), result)])
-        self.streamed = self.step_metrics(made, published, waited, started)
-        self.version_seen = self.publisher.version
+            yield self.batch_of(step, mine, template)
+        metrics = self.step_metrics(made, published, 0.0, started) if groups is not None else None
+        if groups is not None:
+            next(groups, None)  # the pipeline's stream ends after the step's last group
+        if self.dp is not None:
+            metrics = self.dp.scatter_objects(None if metrics is None else [metrics] * ranks)
+        self.streamed = {**metrics, "rollout/learner_wait_s": waited}
+        self.version_seen = int(metrics["rollout/policy_version"])
 
     def publish(self, step: int) -> float:
         """This step's weights to the workers, every `sync_every` steps (and at the first step a run makes); the

@@ -3,7 +3,7 @@ single-process baseline): short training runs at each ZeRO stage, a ZeRO-3 resum
 live logits of a ZeRO-3 engine restored from a checkpoint. Results go to files under OUT; the test compares.
 
 usage: dist_worker.py OUT MODEL (train STAGE... | workers STAGE... | lora STAGE... | dropout | uneven NAME |
-       ragged NAME STAGE... | async (kill | resume) STAGE | resume | rollout | logits CHECKPOINT | hang)
+       ragged NAME STAGE... | async (kill | resume) STAGE | pipe STAGE... | resume | rollout | logits CHECKPOINT | hang)
 """
 
 import json
@@ -165,6 +165,22 @@ def run_async(out: Path, model: str, mode: str, stage: int) -> None:
         training.record_step = record
 
 
+# Complete-group pipelining under the launch's ranks: 3 prompts a step (two rounds of one group per rank, the second
+# with a stand-in on rank 1), one update per step (minibatch = the step's 6 rows), ERILS's solver rows and beta > 0
+PIPE = dict(prompts_per_step=3, minibatch_size=6, steps=2, checkpoint_every=2)
+
+
+def run_pipe(out: Path, model: str, stage: int) -> None:
+    """PIPE synchronously with in-process rollouts, then streamed from two Ray workers (S = 0: this step's weights),
+    at `stage`."""
+    from dllm_rl.train import train
+
+    for name, workers in ((f"pipe_sync_zero{stage}", {}), (f"pipe_zero{stage}", {"count": 2, "pipe": True,
+                                                                                  "timeout_s": 120})):
+        train(DigitShare(), model=model, deepspeed={"stage": stage}, run_dir=str(out / name),
+              **{**SETTINGS, **PIPE, "workers": workers})
+
+
 def run_train(out: Path, model: str, stage: int, steps: int = 2, resume: bool = False, lora: bool | dict = False,
               name: str | None = None, **extra) -> None:
     """A SETTINGS run at `stage`; `lora`: True (LORA) or the lora options."""
@@ -227,9 +243,13 @@ def main(out: Path, model: str, command: str, *args: str) -> None:
         for stage in map(int, args):
             run_train(out, model, stage, name=f"workers_zero{stage}", workers={"count": 2, "timeout_s": 120})
     elif command == "async":  # asynchronous workers under several ranks: kill (worker and learner), or resume
-        run_async(out, model, args[0], int(args[1]))  # (and then, in the same launch, the synchronous workers' run)
-        if args[0] == "resume":
+        run_async(out, model, args[0], int(args[1]))  # (then, in the same launch, the synchronous workers' run
+        if args[0] == "resume":  # (and the pipelined workers' runs)
             run_train(out, model, int(args[1]), name=f"workers_zero{args[1]}", workers={"count": 2, "timeout_s": 120})
+            run_pipe(out, model, int(args[1]))
+    elif command == "pipe":  # complete-group pipelining from two Ray workers against the synchronous update
+        for stage in map(int, args):
+            run_pipe(out, model, stage)
     elif command == "lora":  # LoRA with the adapter-off reference at the given stages, and at stage 3 with
         for stage in map(int, args):  # gradient checkpointing
             run_train(out, model, stage, lora=True)

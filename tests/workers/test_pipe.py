@@ -121,7 +121,8 @@ def test_pipe_refuses_what_is_not_local_to_a_group_by_name(saved_model, tmp_path
     for extra, match in (({"inner_iterations": 2}, "inner_iterations=2"),
                          ({"minibatch_size": 4}, "minibatch_size=4 for 8 rows"),
                          ({"curation": {"name": "greso"}}, "curation="),
-                         ({"deepspeed": {"name": "zero1", "stage": 1}}, "ZeRO stage 0"),
+                         ({"deepspeed": {"name": "zero1", "stage": 1}}, "ZeRO stage 0 or 3"),
+                         ({"deepspeed": {"bf16": True}}, "deepspeed.bf16=true accumulates"),
                          ({"external": {"name": "solver"}, "mixing": {"correction": "is"}}, "is_self_normalize=true"),
                          ({"workers": {"count": 0, "pipe": True}}, "workers.pipe=true needs rollout workers")):
         with pytest.raises(ConfigError, match=match):
