@@ -3,7 +3,7 @@ single-process baseline): short training runs at each ZeRO stage, a ZeRO-3 resum
 live logits of a ZeRO-3 engine restored from a checkpoint. Results go to files under OUT; the test compares.
 
 usage: dist_worker.py OUT MODEL (train STAGE... | workers STAGE... | lora STAGE... | dropout | uneven NAME |
-       ragged NAME STAGE... | async (kill | resume) STAGE | pipe STAGE... | resume | rollout | logits CHECKPOINT | hang)
+       ragged NAME STAGE... | async (kill | resume | fail) STAGE | pipe STAGE... | resume | rollout | logits CHECKPOINT | hang)
 """
 
 import json
@@ -123,7 +123,8 @@ ASYNC_STEPS = 4
 def run_async(out: Path, model: str, mode: str, stage: int) -> None:
     """Asynchronous rollout workers (S = 1, two Ray actors on rank 0) under the launch's ranks, ASYNC_STEPS steps,
     a checkpoint every 2. `kill`: a new run whose worker 1 is SIGKILLed at the start of step 2 and whose rank 0
-    is SIGKILLed once step 3 is logged (before its checkpoint); `resume`: the run resumed to its end. Every rank
+    is SIGKILLed once step 3 is logged (before its checkpoint); `resume`: the run resumed to its end; `fail`: a run
+    of its own whose rank 0 raises at step 2. Every rank
     appends, per step, the prompt ids of the on-policy groups it trained on to a file of its own."""
     from dllm_rl import data_parallel, train as training
     from dllm_rl.workers import pipelined
@@ -140,6 +141,8 @@ def run_async(out: Path, model: str, mode: str, stage: int) -> None:
         return shard(self, rows, estimators)
 
     def killing_a_worker(self, step, *args):
+        if mode == "fail" and step == 1:  # a failed run: rank 0 raises at step 2, its Ray must stop with it
+            raise ValueError("a planted failure on rank 0 at step 2")
         if mode == "kill" and step == 1:  # what was queued on it, or its next load, fails: regenerated
             import ray
 
@@ -154,7 +157,7 @@ def run_async(out: Path, model: str, mode: str, stage: int) -> None:
     data_parallel.DataParallel.shard_sources = recording
     pipelined.PipelinedRollouts.shares = killing_a_worker
     training.record_step = killing_the_learner
-    run = out / f"async_zero{stage}"
+    run = out / (f"async_zero{stage}" if mode != "fail" else "async_failed")
     where = {"resume": str(run)} if mode == "resume" else {"run_dir": str(run)}
     try:
         training.train(DigitShare(), model=model, deepspeed={"stage": stage}, **where,

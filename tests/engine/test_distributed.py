@@ -92,15 +92,23 @@ def test_every_stage_agrees_with_the_single_process_run(runs):
 
 @pytest.fixture(scope="module")
 def worker_runs(runs):
-    """Two launches with Ray rollout workers at ZeRO-3, each Ray under its own short TMPDIR: asynchronous workers
-    (S = 1) with worker 1 SIGKILLed at step 2 and rank 0 SIGKILLed after logging step 3; then that run resumed to
+    """Three launches with Ray rollout workers at ZeRO-3, each Ray under its own short TMPDIR: an asynchronous run
+    (S = 1) whose rank 0 raises at step 2 (a failed run: its Ray must be gone when it exits); asynchronous workers
+    with worker 1 SIGKILLed at step 2 and rank 0 SIGKILLed after logging step 3; then that run resumed to
     its end and, in the same launch, the synchronous workers' run and the pipelined workers' runs (dist_worker.PIPE,
     synchronous and streamed). The output directory, the TMPDIR root, /dev/shm's files before, the killed launch's
     metrics."""
+    from tests.workers.conftest import processes_mentioning
+
     root, _, _ = runs
     out, short = root / "async", Path(tempfile.mkdtemp(prefix="t", dir="/tmp"))  # Ray's sockets need short paths
     out.mkdir()
     shared = set(os.listdir("/dev/shm"))
+    failed = launch(out, str(root / "model"), "async", "fail", "3", env={"TMPDIR": str(short)})
+    assert failed.returncode != 0 and "a planted failure on rank 0 at step 2" in failed.stderr, failed.stderr[-3000:]
+    # a failed run stops the Ray it started before it exits: nothing of it is left, at once
+    assert not processes_mentioning(str(short)) and not list(short.glob("dllm-ray-*"))
+    assert set(os.listdir("/dev/shm")) <= shared
     killed = launch(out, str(root / "model"), "async", "kill", "3", env={"TMPDIR": str(short)})
     assert killed.returncode != 0 and not (out / "done_async_rank0.json").exists(), killed.stderr[-3000:]
     before = metrics(out / "async_zero3")
