@@ -196,10 +196,16 @@ def rollout_keys(batch: StepBatch) -> list[tuple[int, int, int]]:
 
 
 def rollout_metrics(rows: Rows, forwards: float) -> dict[str, float]:
-    """rollout/forwards (the sampler's), and the groups' diversity: distinct completions, pairwise agreement."""
+    """rollout/forwards (the sampler's), the groups' diversity (distinct completions, pairwise agreement) and
+    `policy/entropy`: the mean, over the scored completion tokens, of the entropy (nats) of the distribution each
+    token was committed from, as the sampler recorded it (at temperature 1, the mask token excluded): what the
+    exploration claims (GRPODropout's, fast decoding's in RL) are read from."""
     completion_NC = rows.ids_NL[:, rows.prompt_length:]
-    return {"rollout/forwards": forwards, "rollout/distinct": distinct_share(completion_NC, rows.prompt_N),
-            "rollout/agreement": pairwise_agreement(completion_NC, rows.prompt_N)}
+    out = {"rollout/forwards": forwards, "rollout/distinct": distinct_share(completion_NC, rows.prompt_N),
+           "rollout/agreement": pairwise_agreement(completion_NC, rows.prompt_N)}
+    if rows.entropy_NC is not None:
+        out["policy/entropy"] = float((rows.entropy_NC * rows.mask_NC).sum() / rows.mask_NC.sum().clamp(min=1))
+    return out
 
 
 def verify(batch: StepBatch, task: Task) -> None:

@@ -1,6 +1,8 @@
 """Confidence-parallel decoding (threshold and factor rules), the single-step random initialisation, the forward
 count, and the per-group diversity metrics: hand-made cases and invariants on the tiny dLLM."""
 
+import math
+
 import pytest
 import torch
 
@@ -130,6 +132,26 @@ def test_training_with_parallel_decoding_logs_forwards_and_diversity(saved_model
     assert runs["fast"]["rollout/forwards"] == 3  # the random commit, the rest of block 0, block 1
     for line in runs.values():
         assert 0 < line["rollout/distinct"] <= 1 and 0 <= line["rollout/agreement"] <= 1
+        assert 0 < line["policy/entropy"] < math.log(len(char_vocab()))  # nats, below the uniform's
+
+
+def char_vocab():
+    from dllm_rl.data.tokenizers import build_char_tokenizer
+
+    return build_char_tokenizer().get_vocab()
+
+
+def test_policy_entropy_is_the_sampler_records_mean_over_the_scored_tokens(make_rows):
+    """`policy/entropy` (dllm_rl/collect.py, rollout_metrics): the entropies the sampler recorded at each commit,
+    averaged over the tokens the loss scores (up to and including the first EOS), by hand."""
+    from dllm_rl.collect import rollout_metrics
+
+    rows = make_rows("on_policy", 2, C=3)
+    rows.entropy_NC = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    rows.mask_NC = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    assert rollout_metrics(rows, 3.0)["policy/entropy"] == pytest.approx((1 + 2 + 4) / 3)
+    rows.entropy_NC = None  # rows without a sampler record (an external source's) log none
+    assert "policy/entropy" not in rollout_metrics(rows, 3.0)
 
 
 @pytest.mark.parametrize("random_first", [False, True])
