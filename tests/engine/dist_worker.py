@@ -262,9 +262,10 @@ def main(out: Path, model: str, command: str, *args: str) -> None:
         run_train(out, model, 2, lora=lora, name="dropout")
         run_train(out, model, 2, steps=3, resume=True, lora=lora, name="dropout")
         run_train(out, model, 2, steps=3, lora=lora, name="dropout_straight")
-    elif command == "uneven":  # UNEVEN[name] (names joined by commas) at the given stages (ZeRO-3 by default)
-        for name in args[0].split(","):
-            for stage in map(int, args[1:] or ["3"]):
+    elif command == "uneven":  # UNEVEN[name] (names joined by commas) at the given stages (ZeRO-3 by default);
+        for name in args[0].split(","):  # a name may carry its own stages: pieces@2@3
+            name, *own = name.split("@")
+            for stage in map(int, own or args[1:] or ["3"]):
                 run_uneven(out, model, name, stage)
     elif command == "ragged":  # RAGGED[name] (names joined by commas) at the given stages
         for name in args[0].split(","):

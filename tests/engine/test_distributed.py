@@ -205,7 +205,8 @@ def uneven_two(runs):
     root, _, _ = runs
     two = root / "uneven_two"
     two.mkdir()
-    launched(two, str(root / "model"), "uneven", ",".join(UNEVEN_ON_THE_MODEL))
+    # with them, in the same launch, the pieces test's runs at ZeRO-2 and 3
+    launched(two, str(root / "model"), "uneven", ",".join(UNEVEN_ON_THE_MODEL + ("pieces@2@3",)))
     return two
 
 
@@ -270,7 +271,7 @@ def test_the_newest_estimators_agree_with_one_process_at_zero3(runs, uneven_two,
     assert_weights_agree(weights(two / f"{name}_zero3", 2), weights(single / f"{name}_zero0", 2), name)
 
 
-def test_a_minibatch_in_pieces_agrees_with_one_process_whole_at_zero2_and_zero3(runs):
+def test_a_minibatch_in_pieces_agrees_with_one_process_whole_at_zero2_and_zero3(runs, uneven_two):
     """JustGRPO's recipe with ERILS rows, back-propagated one row and at most 5 forwards at a time
     (micro_batch_rows=1, micro_batch_forwards=5), the gradient accumulated over the pieces: two ranks at ZeRO-2
     (gradients reduced in every backward) and ZeRO-3 (parameters gathered in every forward) give the losses and
@@ -278,11 +279,9 @@ def test_a_minibatch_in_pieces_agrees_with_one_process_whole_at_zero2_and_zero3(
     import dist_worker
 
     root, _, _ = runs
-    single, two = root / "pieces_single", root / "pieces_two"
+    single, two = root / "pieces_single", uneven_two
     single.mkdir()
-    two.mkdir()
     dist_worker.run_uneven(single, str(root / "model"), "pieces_whole", 0)
-    launched(two, str(root / "model"), "uneven", "pieces", "2", "3")
     base = metrics(single / "pieces_whole_zero0")
     assert all(m["policy/updates"] == 2 * 2 for m in base[1:]) and any(m.get("external/rows", 0) for m in base)
     for stage in (2, 3):
