@@ -255,9 +255,9 @@ class TrainConfig:
                 (not check_curation(self.curation), f"no curation (curation={check_curation(self.curation)} decides "
                  f"over the whole step): set curation=none"),
                 (engine_options(self.deepspeed)[0].get("stage", 0) in (0, 3),
-                 f"ZeRO stage 0 or 3 (deepspeed={self.deepspeed.get('name')!r} reduces gradients into partitions at "
-                 f"the boundary, where a normaliser known only at the end is not applied): set deepspeed=zero0 or "
-                 f"zero3"),
+                 f"ZeRO stage 0 or 3 (deepspeed.stage={engine_options(self.deepspeed)[0].get('stage', 0)} reduces "
+                 f"gradients into partitions at the boundary, where a normaliser known only at the end is not "
+                 f"applied): set deepspeed=zero0 or zero3"),
                 (not self.deepspeed.get("bf16", False),
                  "DeepSpeed's fp32 weights (deepspeed.bf16=true accumulates the gradient in fp32 buffers of its own, "
                  "which a normaliser known only at the end does not reach): set deepspeed.bf16=false (bf16 autocast, "
