@@ -49,6 +49,7 @@ class StepBatch:
     # auxiliary SFT rows by kind (echo clips): a kind a strategy makes is here on every rank, None where it has none
     auxiliary: dict[str, AuxRows | None] = field(default_factory=dict)
     episodes: list = field(default_factory=list)  # a multi-turn step's episodes, one per group member (dllm_rl/envs/)
+    external_episodes: list = field(default_factory=list)  # and the external policy's kept ones (ERILS)
 
     def real(self, source: str) -> Rows | None:
         """A source's rows, or None where this rank has none (or only a data-parallel stand-in)."""

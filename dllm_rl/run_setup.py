@@ -36,7 +36,8 @@ from dllm_rl.resume import decide_resume, read_run_config, record_resume, with_a
 from dllm_rl.rollout.generate import TextGenerator
 from dllm_rl.curation import Bandit, build_curation, check_curation
 from dllm_rl.curation.replay import ReplaySource
-from dllm_rl.envs.collect import CollectEpisodes, EpisodeHeldOut, assign_turn_advantages
+from dllm_rl.envs.collect import CollectEpisodes, EpisodeHeldOut
+from dllm_rl.envs.external import ExternalEpisodes, assign_turn_advantages
 from dllm_rl.envs.task import EnvTask
 from dllm_rl.collect import CollectRollouts, InProcessRollouts, PromptSource, inference
 from dllm_rl.held_out import HeldOut, build_probe
@@ -293,13 +294,19 @@ def build_stages(task, cfg: TrainConfig, dp, run_dir, tracker, learned: Learned,
         collect = CollectEpisodes(prompts, rollouts, task, tokenizer, cfg.group_size, tokenizer.pad_token_id)
         held_out = EpisodeHeldOut(InProcessRollouts(greedy, estimator, cfg.seed, generating), task, tokenizer,
                                   cfg.eval_prompts, cfg.seed, tokenizer.pad_token_id, generating)
-        advantages = functools.partial(assign_turn_advantages, advantage=advantage, task=task)
+        advantages = functools.partial(assign_turn_advantages, advantage=advantage, task=task, mixer=mixer,
+                                       gather=dp.gather)
+        if mixer is not None:  # ERILS: the external policy plays episodes of the same groups
+            external = ExternalEpisodes(mixer, task, tokenizer, cfg.group_size, window=sampler.gen_length,
+                                        eos_id=policy.eos_id, max_length=policy.context_length, seed=cfg.seed,
+                                        device=policy.device)
     else:
         collect = CollectRollouts(prompts, rollouts, task, curation, dp, pad_id=tokenizer.pad_token_id,
                                   before_generate=external.prefetch if external is not None else None)
         held_out = HeldOut(greedy, sampler, task, tokenizer, cfg.eval_prompts, cfg.eval_samples, cfg.seed, generating)
         advantages = functools.partial(assign_advantages, advantage=advantage, mixer=mixer, dp=dp)
-    if mixer is not None and cfg.eval_every > 0 and cfg.eval_external_samples > 0:
+    # provenance (which held-out prompts the external policy solves) is single-turn's: a multi-turn run has none
+    if mixer is not None and cfg.eval_every > 0 and cfg.eval_external_samples > 0 and not isinstance(task, EnvTask):
         held_out.external_solved = external_solves(mixer.source, task, held_out.examples(), cfg.eval_external_samples,
                                                    cfg.seed)
         print_fn(describe_provenance(held_out.external_solved, mixer.source.name, cfg.eval_external_samples))

@@ -76,7 +76,7 @@ from dllm_rl.seeds import derive_seed
 # Metrics that count rows or prompts: added up over data-parallel ranks (every other metric is averaged).
 COUNTS = tuple(f"external/{k}" for k in ("candidates", "too_long", "truncated", "unrepresentable", "incorrect",
                                          "prompts", "rows", "requests", "failed_requests", "retries",
-                                         "prefetched", "empty", "length_stopped")) + ("rollouts/on_policy",
+                                         "prefetched", "empty", "length_stopped", "episodes", "no_move")) + ("rollouts/on_policy",
                                                                 "curation/dropout_dropped", "curation/rows_dropped",
                                                                 "curation/dropout_positive") + tuple(
     f"curation/{kind}_{what}" for kind in ("echo", "echo_external") for what in ("clips", "tokens")) + (
@@ -255,6 +255,9 @@ def step_metrics(batch: StepBatch, learner_metrics: dict[str, float], perf: dict
     if batch.episodes:  # a multi-turn step: its episode means weighted by episodes, the invalid share by turns
         weights.update(dict.fromkeys(("env/success", "env/turns", "env/truncated"), float(len(batch.episodes))))
         weights["env/invalid"] = float(sum(len(ep.turns) for ep in batch.episodes))
+        groups = float(len({ep.prompt_id for ep in batch.episodes}))
+        weights.update(dict.fromkeys(("env/anchors_shared", "external/anchors_shared"), groups))
+        weights["external/success"] = batch.metrics.get("external/candidates", 0.0)
     out = dp.mean_metrics(metrics, summed=COUNTS, weights=weights)
     for kind in ("echo", "echo_external"):  # echo clips: their mean length over every rank's clips
         if out.get(f"curation/{kind}_clips"):

@@ -59,7 +59,7 @@ COLLECTED = ("prompts", "on_policy rows", "rewards", "sampler record", "visits")
 # bandit's picks), not in the batch. `tests/test_stages.py` checks this on a run.
 OWNERS = {"step": "collect", "examples": "collect", "prompt_texts": "collect", "prompt_ids": "collect",
           "group_sizes": "collect", "example_ids": "collect", "template": "collect", "visits": "collect",
-          "episodes": "collect",
+          "episodes": "collect", "external_episodes": "external rollouts",
           "rows[on_policy]": "collect", "rows[external]": "external rollouts", "rows[replay]": "replayed rows",
           "auxiliary": "reweight"}
 

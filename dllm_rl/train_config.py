@@ -200,8 +200,11 @@ class TrainConfig:
         if not env.on:
             return
         for key, off, why in (
-                ("external", self.external.get("name") == "none", "ERILS's external episodes are not built for "
-                 "multi-turn runs yet; set external=none"),
+                ("external", self.external.get("name") != "jsonl", "a JSONL file holds single-turn completions; "
+                 "use external=solver (the environment's solver), causal_lm or openai, or external=none"),
+                ("mixing", self.external.get("name") == "none" or self.mixing.get("length_rule", "drop") == "drop",
+                 "an external action that does not fit the window is dropped with its episode (a cut action is "
+                 "another action); set mixing.length_rule=drop"),
                 ("curation", not check_curation(self.curation), "the curation strategies decide on single-turn "
                  "groups; set curation=none"),
                 ("workers", WorkersConfig(**self.workers).size == 0, "rollout workers generate single-turn "

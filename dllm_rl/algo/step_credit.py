@@ -138,3 +138,13 @@ def turn_advantages(group: Group, episode_adv: list[float], method: str, *, gamm
     else:
         raise ConfigError(f"step credit {method!r}: expected grpo, gigpo or crbc")
     return [[w_episode * a + w * c for c in credits] for a, credits in zip(episode_adv, step)]
+
+
+def shared_anchor_share(group: Group) -> float:
+    """The share of the group's anchors that more than one of its episodes reached (0 for an empty group): where
+    the empirical MDP has anything to close."""
+    reached: dict[Hashable, set[int]] = {}
+    for e, episode in enumerate(group):
+        for turn in episode:
+            reached.setdefault(turn.anchor, set()).add(e)
+    return sum(len(v) > 1 for v in reached.values()) / len(reached) if reached else 0.0

@@ -13,7 +13,7 @@ import torch
 
 from dllm_rl.collect import InProcessRollouts, PromptSource, StepBatch
 from dllm_rl.data.task import draw_examples, render_prompt
-from dllm_rl.envs.episodes import Episode, episode_advantages, play_episodes
+from dllm_rl.envs.episodes import Episode, anchors_shared, play_episodes
 from dllm_rl.envs.task import EnvTask
 
 
@@ -52,16 +52,8 @@ class CollectEpisodes:
                                            self.task.config.history, self.pad_id,
                                            render=lambda text: render_prompt(text, self.tokenizer))
         batch.rows["on_policy"], batch.episodes = rows, episodes
-        batch.metrics.update(episode_metrics(episodes))
+        batch.metrics.update(episode_metrics(episodes) | {"env/anchors_shared": anchors_shared(episodes)})
         return batch
-
-
-def assign_turn_advantages(batch: StepBatch, advantage: str, task: EnvTask) -> None:
-    """adv_N of the turn rows from their episodes (`env.credit`); a rank's stand-in row keeps its 0."""
-    on = batch.real("on_policy")
-    if on is not None:
-        on.adv_N = episode_advantages(on, batch.episodes, task.max_turns, advantage, task.config.credit,
-                                      **task.config.credit_options())
 
 
 @dataclass

@@ -145,6 +145,14 @@ class ExternalMixer:
             self.source.prefetch(task, examples, self.config.per_prompt * self.config.candidates,
                                  self.seeds(seed, step, prompt_ids))
 
+    def fired(self, step: int, seed: int, correct_BG: torch.Tensor, prompt_ids: list[int]) -> list[int]:
+        """The indices of the prompts the trigger fires for, from their on-policy groups' correctness."""
+        c = self.config
+        # cpu: seeded uniforms, decided on in Python (the same on every device)
+        uniform_B = torch.tensor([derive_seed(seed, "trigger", step, q) / 2**63 for q in prompt_ids])
+        fire_B = mixing.triggered(correct_BG, c.trigger, step=step, decay_steps=c.decay_steps, uniform_B=uniform_B)
+        return fire_B.nonzero().squeeze(-1).tolist()
+
     def rows(self, *, step: int, seed: int, task: Task, examples: list[Example], prompt_texts: list[str],
              correct_BG: torch.Tensor, tokenizer, window: int, eos_id: int, max_length: int | None,
              prompt_ids: list[int] | None = None, widest: Callable[[int], int] = lambda n: n,
@@ -157,10 +165,7 @@ class ExternalMixer:
         The rows' tensors are made on `device` (the policy's)."""
         c = self.config
         ids = list(range(len(examples))) if prompt_ids is None else list(prompt_ids)
-        # cpu: seeded uniforms, decided on in Python (the same on every device)
-        uniform_B = torch.tensor([derive_seed(seed, "trigger", step, q) / 2**63 for q in ids])
-        fire_B = mixing.triggered(correct_BG, c.trigger, step=step, decay_steps=c.decay_steps, uniform_B=uniform_B)
-        chosen = fire_B.nonzero().squeeze(-1).tolist()
+        chosen = self.fired(step, seed, correct_BG, ids)
         asked = c.per_prompt * c.candidates
         seeds = self.seeds(seed, step, [ids[b] for b in chosen])
         got = self.source.rollouts(task, [examples[b] for b in chosen], asked, seeds) if chosen else []
@@ -252,31 +257,44 @@ class ExternalMixer:
 
     def assign_advantages(self, on: Rows, ext: Rows | None, advantage: str, gather: Gather = local_only) -> None:
         """Set `adv_N` (and `weight_N` of the external rows) for the step, per `processing` and `statistic`,
-        over each prompt's rows whatever their number. The running baseline moves by the mean over all ranks'
-        external rewards (`gather`; every rank calls this, its on-policy rows a stand-in where it has none)."""
-        c = self.config
+        over each prompt's rows whatever their number (`advantages`; every rank calls this, its on-policy rows a
+        stand-in where it has none)."""
         device = on.ids_NL.device
         on_rewards = on.rewards_N[:0] if on.inert else on.rewards_N
         on_prompt = on.prompt_N[:0] if on.inert else on.prompt_N
         ext_rewards = ext.rewards_N if ext is not None else torch.zeros(0, device=device)
         ext_prompt = ext.prompt_N if ext is not None else torch.zeros(0, dtype=torch.long, device=device)
-        if c.processing == "joint":
-            adv_on, adv_ext = mixing.joint_advantages(on_rewards, on_prompt, ext_rewards, ext_prompt,
-                                                      advantage=advantage)
-        else:
-            adv_on, adv_ext = mixing.separate_advantages(on_rewards, on_prompt, ext_rewards, ext_prompt,
-                                                         advantage=advantage, statistic=c.statistic,
-                                                         constant=c.constant, baseline=self.baseline)
+        adv_on, adv_ext = self.advantages(on_rewards, on_prompt, ext_rewards, ext_prompt, advantage, gather)
         if not on.inert:
             on.adv_N = adv_on
         if ext is not None:
             ext.adv_N = adv_ext.to(torch.float32)
-            ext.weigh("mixing", torch.full((len(ext),), c.weight, device=device))
-        rewards = gather(ext_rewards)[0]
+            self.weigh(ext)
+
+    def weigh(self, ext: Rows) -> None:
+        """The external rows' loss weight `mixing.weight`."""
+        ext.weigh("mixing", torch.full((len(ext),), self.config.weight, device=ext.ids_NL.device))
+
+    def advantages(self, on_rewards_N: torch.Tensor, on_prompt_N: torch.Tensor, ext_rewards_E: torch.Tensor,
+                   ext_prompt_E: torch.Tensor, advantage: str,
+                   gather: Gather = local_only) -> tuple[torch.Tensor, torch.Tensor]:
+        """(adv_on_N, adv_ext_E) of rewards keyed by their prompt (rows' rewards, or a multi-turn step's episode
+        returns), per `processing` and `statistic`. The running baseline moves by the mean over all ranks'
+        external rewards (`gather`: every rank calls this, with rewards or without)."""
+        c = self.config
+        if c.processing == "joint":
+            adv_on, adv_ext = mixing.joint_advantages(on_rewards_N, on_prompt_N, ext_rewards_E, ext_prompt_E,
+                                                      advantage=advantage)
+        else:
+            adv_on, adv_ext = mixing.separate_advantages(on_rewards_N, on_prompt_N, ext_rewards_E, ext_prompt_E,
+                                                         advantage=advantage, statistic=c.statistic,
+                                                         constant=c.constant, baseline=self.baseline)
+        rewards = gather(ext_rewards_E)[0]
         if self.held is not None:
             self.held.append(rewards)
         else:
             self.baseline = mixing.running_baseline(self.baseline, rewards, c.baseline_decay)
+        return adv_on, adv_ext
 
     @contextlib.contextmanager
     def baseline_held(self):

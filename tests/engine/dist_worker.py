@@ -84,8 +84,10 @@ RAGGED = {
     "bandit": dict(curation={"bandit": {"capacity": 6, "max_age": 2}, "hindsight": {}}, train_pool=4,
                    task="relabel"),
     # a multi-turn run: each rank plays its whole groups' episodes, one row per turn (the ranks hold different
-    # numbers of turns), CRBC's credit per group
-    "multi_turn": dict(env={"name": "tests.conftest:Counter", "credit": "crbc"}, external={"name": "none"},
+    # numbers of turns), CRBC's credit per group over the dLLM's episodes and the solver's (ERILS), the external
+    # episodes' running baseline moved by every rank's returns
+    "multi_turn": dict(env={"name": "tests.conftest:Counter", "credit": "crbc"}, external={"name": "solver"},
+                       mixing={"per_prompt": 1, "statistic": "running"},
                        rollout={**SETTINGS["rollout"], "gen_length": 8, "block_length": 8, "steps": 4},
                        minibatch_size=16, train_pool=8),
 }

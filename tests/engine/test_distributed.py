@@ -320,6 +320,7 @@ def test_ranks_holding_uneven_rows_agree_with_one_process_at_zero_0_2_3(runs, ra
         if name == "multi_turn":  # episodes of unequal length: the ranks hold different numbers of turn rows
             assert any(a[0] != b[0] for a, b in zip(*held)), held
             assert all(m["env/turns"] > 1 for m in base[1:]) and any(m["policy/updates"] > 0 for m in base)
+            assert all(m["external/episodes"] > 0 for m in base[1:])  # the solver's episodes joined every step
         if name == "echo":  # clips on some ranks only, learnt beside the GRPO loss
             assert sum(m["curation/echo_clips"] for m in base) > 0 and any(m.get("loss/echo", 0) > 0 for m in base)
         run = metrics(two / f"ragged_{name}_zero{stage}")
@@ -329,7 +330,8 @@ def test_ranks_holding_uneven_rows_agree_with_one_process_at_zero_0_2_3(runs, ra
                     "loss/echo",
                     "curation/echo_external_clips", "loss/echo_external", "curation/bandit_replayed",
                     "curation/bandit_left_out", "curation/bandit_probe", "reward/replay", "curation/hindsight_rows",
-                    "loss/hindsight", "env/success", "env/turns", "env/invalid"):
+                    "loss/hindsight", "env/success", "env/turns", "env/invalid", "env/anchors_shared",
+                    "external/episodes", "external/rows", "external/anchors_shared", "reward/external"):
             assert [m.get(key, 0.0) for m in run] == pytest.approx([m.get(key, 0.0) for m in base], rel=1e-5,
                                                                   abs=1e-7), (stage, key)
         assert_weights_agree(weights(two / f"ragged_{name}_zero{stage}", 2),

@@ -40,8 +40,6 @@ def test_a_multi_turn_run_trains_on_its_turn_rows(saved_model, tmp_path, credit)
 
 def test_what_a_multi_turn_run_cannot_take_yet_is_refused_by_name():
     env = {"name": "corridor"}
-    with pytest.raises(ConfigError, match="env=corridor with external=.*set external=none"):
-        TrainConfig(env=env)
     with pytest.raises(ConfigError, match="env=corridor with curation=.*set curation=none"):
         TrainConfig(env=env, external={"name": "none"}, curation={"greso": {}})
     with pytest.raises(ConfigError, match="env=corridor with workers=.*set workers.count=0"):
