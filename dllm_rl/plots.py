@@ -113,6 +113,42 @@ def eval_figure(runs: list[dict]):
     return fig
 
 
+def episode_figure(runs: list[dict], smooth: int = 5):
+    """Multi-turn runs (`env=`): the training episodes' success (rolling mean, ± s.e.), turns per episode and share
+    of invalid actions against step, solid; the held-out episodes' (one greedy episode per held-out seed) as
+    markers joined by dashes. None when no run played an environment; held-out success with its interval is
+    `eval_figure`'s greedy pass@1."""
+    import matplotlib.pyplot as plt
+
+    runs = [run for run in runs if "env/success" in run["metrics"]]
+    if not runs:
+        return None
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
+    styles = _styles(runs)
+    for run in runs:
+        table = analysis.eval_table(run)
+        for ax, key in zip(axes, ("success", "turns", "invalid")):
+            values = analysis.series(run, f"env/{key}")
+            curve = values.rolling(smooth, min_periods=1).mean()
+            ax.plot(curve.index, curve.values, label=f"{run['name']} training", alpha=0.85,
+                    markevery=_markevery(len(curve)), **styles[run["name"]])
+            if key == "success":
+                se = rolling_se(values, smooth)
+                ax.fill_between(curve.index, curve - se, curve + se, color=styles[run["name"]]["color"], alpha=0.12)
+            column = "eval/pass@1" if key == "success" else f"eval/{key}"
+            if not table.empty and column in table:
+                ax.plot(table["step"], table[column], linestyle="--", label=f"{run['name']} held-out", alpha=0.85,
+                        **styles[run["name"]])
+    for ax, (title, label) in zip(axes, (("success", f"success (rolling mean of {smooth}, ± s.e.)"),
+                                         ("turns per episode", "turns"),
+                                         ("invalid actions", "share of the turns"))):
+        ax.set_title(title)
+        _finish(ax, label)
+    axes[0].set_ylim(0.0, 1.02)
+    axes[2].set_ylim(0.0, 1.02)
+    return fig
+
+
 def length_figure(runs: list[dict]):
     """Mean completion length per source against step (tokens of the dLLM's vocabulary)."""
     import matplotlib.pyplot as plt

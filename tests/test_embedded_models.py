@@ -20,8 +20,8 @@ TOLERANCE = 0.03
 
 def test_models_are_small_and_load():
     total = sum(f.stat().st_size for f in MODELS.rglob("*") if f.is_file())
-    assert total < 30 * 2**20
-    for name in ("tiny-dllm", "tiny-ar"):
+    assert total < 45 * 2**20  # three models of 3.3M fp32 parameters, their tokenizers and cards
+    for name in ("tiny-dllm", "tiny-ar", "tiny-dllm-agent"):
         for file in ("config.json", "model.safetensors", "README.md", "eval.json", "tokenizer.json"):
             assert (MODELS / name / file).is_file(), f"{name}/{file}"
     dllm = AutoModel.from_pretrained(MODELS / "tiny-dllm")
@@ -57,6 +57,29 @@ def test_accuracy_matches_the_model_card(name):
         assert abs(summary["pass@1"] * prompts - pinned[task_name]) <= 1, task_name
         p = reported["pass@1"]
         assert abs(pinned[task_name] / prompts - p) <= 2 * (p * (1 - p) / prompts) ** 0.5, task_name
+
+
+# The agent's card: 100 held-out seeds per environment, greedy and sampled. CI replays the first 20 greedy episodes
+# of each environment against their pinned successes (within one, for numerical differences between machines).
+AGENT_SUBSET = (20, {"corridor": 0, "frozen_lake": 8})
+
+
+@pytest.mark.slow
+def test_the_agent_plays_as_its_card_says(tmp_path):
+    from dllm_rl.envs.collect import run_env_eval
+    from dllm_rl.envs.task import EnvConfig, EnvTask
+
+    record = json.loads((MODELS / "tiny-dllm-agent" / "eval.json").read_text())
+    window = record["window"]
+    seeds, pinned = AGENT_SUBSET
+    for name, card in record["evals"].items():
+        summary = run_env_eval(EnvTask(EnvConfig(name=name, history=0)), model=str(MODELS / "tiny-dllm-agent"),
+                               rollout={"gen_length": window, "block_length": window, "steps": window},
+                               num_prompts=seeds, output_dir=str(tmp_path / name), device="cpu",
+                               print_fn=lambda *_: None)
+        assert abs(summary["success"] * seeds - pinned[name]) <= 1, name
+        p = card["greedy"]["success"]
+        assert abs(pinned[name] / seeds - p) <= 2 * (p * (1 - p) / seeds) ** 0.5 + 1 / seeds, name
 
 
 def test_the_dllm_leaves_headroom_and_the_ar_model_is_stronger():

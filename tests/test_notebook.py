@@ -18,6 +18,7 @@ from dllm_rl import analysis, plots
 from dllm_rl.data import build_task
 from dllm_rl.errors import ConfigError
 from dllm_rl.train import train
+from tests.conftest import DigitPass
 
 matplotlib.use("Agg")
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,6 +48,10 @@ def tiny_runs(tmp_path_factory, char_tokenizer):
                                     ("greedy", {"name": "none"}, 0)):
         train(task, model=str(model), run_dir=str(root / "runs" / name), external=external, eval_samples=samples,
               mixing={"per_prompt": 1}, **common)
+    # a multi-turn run: the counter environment of tests/conftest.py, short actions
+    train(DigitPass(), model=str(model), run_dir=str(root / "runs" / "agent"), env={"name": "tests.conftest:Counter"},
+          external={"name": "none"}, **{**common, "rollout": {**common["rollout"], "gen_length": 8, "block_length": 8,
+                                                               "steps": 4}, "minibatch_size": 24})
     return root
 
 
@@ -94,6 +99,19 @@ def test_figures_show_what_there_is_with_whole_steps_and_runs_apart(tiny_runs):
     assert {line.get_linestyle() for line in erils} == {"-", "--"}  # on-policy solid, external dashed
 
 
+def test_the_multi_turn_figure_plots_training_and_held_out_episodes(tiny_runs):
+    runs = analysis.load_runs([tiny_runs / "runs" / n for n in ("grpo", "agent")])
+    assert plots.episode_figure(runs[:1]) is None  # no environment played
+    figure = plots.episode_figure(runs)
+    assert [ax.get_title() for ax in figure.axes] == ["success", "turns per episode", "invalid actions"]
+    metrics = runs[1]["metrics"]
+    for ax, key in zip(figure.axes, ("pass@1", "turns", "invalid")):
+        labels = {line.get_label(): line for line in ax.lines}
+        assert set(labels) == {"agent training", "agent held-out"}
+        held_out = labels["agent held-out"].get_ydata()
+        assert list(held_out) == metrics[f"eval/{key}"].dropna().tolist() and len(held_out) == 4  # steps 0-3
+
+
 def readme_notebook_command() -> str:
     match = re.search(r"`(DLLM_RL_RUNS=\S+ jupyter nbconvert [^`]+)`", (ROOT / "README.md").read_text())
     assert match, "the README names no notebook command"
@@ -121,11 +139,12 @@ def test_the_readme_notebook_command_runs_as_written(tiny_runs):
 
 @pytest.mark.slow
 def test_notebook_executes_on_tiny_runs(tiny_runs, monkeypatch):
-    monkeypatch.setenv("DLLM_RL_RUNS", ",".join(str(tiny_runs / "runs" / n) for n in ("grpo", "erils", "greedy")))
+    monkeypatch.setenv("DLLM_RL_RUNS", ",".join(str(tiny_runs / "runs" / n)
+                                                for n in ("grpo", "erils", "greedy", "agent")))
     nb = nbformat.read(NOTEBOOK, as_version=4)
     NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tiny_runs)}}).execute()
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     text = json.dumps([o.get("data", {}).get("text/plain", o.get("text", "")) for o in outputs])
     assert "erils" in text and "external" in text
-    assert sum("image/png" in o.get("data", {}) for o in outputs) == 3  # rewards, evaluations, lengths
+    assert sum("image/png" in o.get("data", {}) for o in outputs) == 4  # rewards, evaluations, episodes, lengths
