@@ -18,7 +18,6 @@ import argparse
 import json
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,16 +26,18 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from dllm_rl import analysis  # noqa: E402
 from long_runs import cell, mean_se  # noqa: E402
-from sweep import keep, kept, launch  # noqa: E402
+from sweep import run_all  # noqa: E402
 
 CREDITS = ("grpo", "gigpo", "crbc")
 PROMPTS = 4  # environment seeds a step
 # every run: the agent's action window, history 0 (as it was fine-tuned), PROMPTS seeds a step from a pool of 64;
-# rollouts with the prompt cached (Fast-dLLM's prefix cache: a turn's prompt is ~150 of its ~160 tokens; a G = 4
-# corridor step's rollouts took 2.4 s against 8.4 s exact on the 2-core EPYC); held-out episodes decode exactly
+# rollouts decoded exactly, one token a step at T = 1, as the agent's card samples them (0.4% invalid actions in
+# FrozenLake). The fast samplers spoil this model's 4-letter actions: in FrozenLake's first two steps the RL
+# sampler (threshold 0.9, a random first commit, the prompt cached) wrote 45-48% invalid actions, the exact schedule
+# with the prompt cached 67-69%
 COMMON = ["model=models/tiny-dllm-agent", "external=none", "env.history=0", "rollout.gen_length=8",
-          "rollout.block_length=8", "rollout.steps=8", "rollout.cache=prefix", f"prompts_per_step={PROMPTS}",
-          "train_pool=64",
+          "rollout.block_length=8", "rollout.steps=8", "rollout.threshold=null", "rollout.random_first=false",
+          f"prompts_per_step={PROMPTS}", "train_pool=64",
           "checkpoint_every=10",
           "sample_every=0", "tensorboard=false"]
 PHASES = ("perf/rollout_s", "perf/external_s", "perf/score_s", "perf/update_s")
@@ -117,23 +118,12 @@ def main() -> None:
     plan = [(env, G, credit, seed) for seed in args.seeds for env in args.envs for G in args.group_sizes
             for credit in args.credits]
     kept_path = {p: keep_dir / p[0] / f"G{p[1]}-{p[2]}-s{p[3]}.json" for p in plan}
-    runs = {p: kept(kept_path[p], settings(*p, args)) for p in plan}
-    todo = [] if args.only_kept else [p for p in plan if runs[p] is None]
     started = time.perf_counter()
-
-    def work(item):
-        env, G, credit, seed = item
-        if not analysis.finished(run_dir(out, *item), args.steps):
-            print(f"running {' '.join(map(str, item))} ...", flush=True)
-            launch(run_dir(out, *item), [f"seed={seed}", f"steps={args.steps}", f"eval_every={args.steps}",
-                                         f"eval_prompts={args.eval_prompts}", *run_overrides(env, G, credit, args)],
-                   args.threads)
-        runs[item] = numbers(run_dir(out, *item))
-        keep(kept_path[item], settings(*item, args), runs[item])
-        print(f"finished {' '.join(map(str, item))}", flush=True)
-
-    with ThreadPoolExecutor(args.jobs) as pool:  # each job is a subprocess with its own OMP threads
-        list(pool.map(work, todo))
+    runs = run_all(plan, kept_path, lambda *p: settings(*p, args), lambda *p: run_dir(out, *p),
+                   lambda env, G, credit, seed: [f"seed={seed}", f"steps={args.steps}", f"eval_every={args.steps}",
+                                                 f"eval_prompts={args.eval_prompts}",
+                                                 *run_overrides(env, G, credit, args)],
+                   numbers, args.steps, args.threads, args.jobs, args.only_kept)
 
     results = [{"env": env, "G": G, "credit": credit, "seed": seed,
                 "start": run["evals"][0]["eval/pass@1"], "end": run["evals"][-1]["eval/pass@1"],

@@ -21,7 +21,6 @@ import argparse
 import json
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from dllm_rl import analysis  # noqa: E402
-from sweep import keep, kept, launch  # noqa: E402
+from sweep import run_all  # noqa: E402
 from dllm_rl.analysis import mean_spread as spread  # noqa: E402
 
 STRATEGIES: dict[str, list[str]] = {
@@ -113,21 +112,11 @@ def main() -> None:
     out, keep_dir = Path(args.out), Path(args.keep)
     plan = [(task, s, seed) for task in args.tasks for s in args.strategies for seed in args.seeds]
     kept_path = {p: keep_dir / p[0] / f"{p[1]}-s{p[2]}.json" for p in plan}
-    runs = {p: kept(kept_path[p], settings(*p, args)) for p in plan}
-    todo = [p for p in plan if runs[p] is None]
     started = time.perf_counter()
     per_step = 8 * 6
-
-    def work(item):
-        if not analysis.finished(run_dir(out, *item), args.steps):
-            print(f"running {' '.join(map(str, item))} ...", flush=True)
-            launch(run_dir(out, *item), overrides(*item, args), args.threads)
-        runs[item] = numbers(run_dir(out, *item), per_step)
-        keep(kept_path[item], settings(*item, args), runs[item])
-        print(f"finished {' '.join(map(str, item))}: {kept_path[item]}", flush=True)
-
-    with ThreadPoolExecutor(args.jobs) as pool:  # each job is a subprocess with its own OMP threads
-        list(pool.map(work, todo))
+    runs = run_all(plan, kept_path, lambda *p: settings(*p, args), lambda *p: run_dir(out, *p),
+                   lambda *p: overrides(*p, args), lambda path: numbers(path, per_step), args.steps, args.threads,
+                   args.jobs)
 
     results = []
     for task, strategy, seed in plan:

@@ -27,7 +27,6 @@ import json
 import math
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from dllm_rl import analysis  # noqa: E402
-from sweep import keep, kept, launch  # noqa: E402
+from sweep import run_all  # noqa: E402
 
 ARMS: dict[str, list[str]] = {
     "grpo": ["external=none"],
@@ -192,20 +191,9 @@ def main() -> None:
     # seed-major: a sweep cut short has whole comparisons at the first seeds
     plan = [(task, arm, seed) for seed in args.seeds for task in args.tasks for arm in args.arms]
     kept_path = {p: keep_dir / p[0] / f"{p[1]}-s{p[2]}.json" for p in plan}
-    runs = {p: kept(kept_path[p], settings(*p, args)) for p in plan}
-    todo = [] if args.only_kept else [p for p in plan if runs[p] is None]
     started = time.perf_counter()
-
-    def work(item):
-        if not analysis.finished(run_dir(out, *item), args.steps):
-            print(f"running {' '.join(map(str, item))} ...", flush=True)
-            launch(run_dir(out, *item), overrides(*item, args), args.threads)
-        runs[item] = numbers(run_dir(out, *item))
-        keep(kept_path[item], settings(*item, args), runs[item])
-        print(f"finished {' '.join(map(str, item))}: {kept_path[item]}", flush=True)
-
-    with ThreadPoolExecutor(args.jobs) as pool:  # each job is a subprocess with its own OMP threads
-        list(pool.map(work, todo))
+    runs = run_all(plan, kept_path, lambda *p: settings(*p, args), lambda *p: run_dir(out, *p),
+                   lambda *p: overrides(*p, args), numbers, args.steps, args.threads, args.jobs, args.only_kept)
 
     results = [{"task": task, "arm": arm, "seed": seed, "overrides": run_overrides(task, arm, args),
                 "rollouts": sum(run["rollouts"]), "external_rollouts": sum(run["external"]),

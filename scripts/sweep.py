@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,3 +40,28 @@ def kept(path: Path, wanted: dict) -> dict | None:
 def keep(path: Path, settings: dict, numbers: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"settings": settings, "numbers": numbers}, default=float) + "\n")
+
+
+def run_all(plan: list[tuple], kept_path: dict, settings: Callable[..., dict], run_path: Callable[..., Path],
+            overrides: Callable[..., list[str]], numbers: Callable[[Path], dict], steps: int, threads: int, jobs: int,
+            only_kept: bool = False) -> dict:
+    """Every planned run's numbers (None where missing): the kept ones as they are, the others launched (`jobs` at
+    a time, each a subprocess with `threads` OMP threads; an interrupted one continues), read and kept."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dllm_rl import analysis
+
+    runs = {p: kept(kept_path[p], settings(*p)) for p in plan}
+    todo = [] if only_kept else [p for p in plan if runs[p] is None]
+
+    def work(item):
+        if not analysis.finished(run_path(*item), steps):
+            print(f"running {' '.join(map(str, item))} ...", flush=True)
+            launch(run_path(*item), overrides(*item), threads)
+        runs[item] = numbers(run_path(*item))
+        keep(kept_path[item], settings(*item), runs[item])
+        print(f"finished {' '.join(map(str, item))}: {kept_path[item]}", flush=True)
+
+    with ThreadPoolExecutor(jobs) as pool:
+        list(pool.map(work, todo))
+    return runs
