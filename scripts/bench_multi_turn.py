@@ -15,7 +15,6 @@ writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from dllm_rl import analysis  # noqa: E402
 from long_runs import cell, mean_se  # noqa: E402
-from sweep import run_all  # noqa: E402
+from sweep import add_arguments, run_all, write_report  # noqa: E402
 
 CREDITS = ("grpo", "gigpo", "crbc")
 PROMPTS = 4  # environment seeds a step
@@ -104,13 +103,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--minibatch", type=int, default=64, help="minibatch_size (turn rows per update)")
     parser.add_argument("--eval-prompts", type=int, default=100)
-    parser.add_argument("--jobs", type=int, default=2, help="runs at a time")
-    parser.add_argument("--threads", type=int, default=1, help="OMP threads per run")
-    parser.add_argument("--out", default="runs/multi_turn")
-    parser.add_argument("--json", default="docs/bench_multi_turn.json")
-    parser.add_argument("--keep", default="docs/bench_multi_turn", help="each finished run's numbers")
-    parser.add_argument("--only-kept", action="store_true", help="tabulate the kept runs only; run nothing")
-    parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
+    add_arguments(parser, "runs/multi_turn", "docs/bench_multi_turn.json", "docs/bench_multi_turn")
     args = parser.parse_args()
 
     out, keep_dir = Path(args.out), Path(args.keep)
@@ -133,11 +126,7 @@ def main() -> None:
                for (env, G, credit, seed), run in runs.items() if run is not None]
     text = table(results, args.envs, args.group_sizes)
     print(text)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "steps": args.steps,
-                                           "sweep_seconds": time.perf_counter() - started,
-                                           "missing": [list(p) for p in plan if runs[p] is None],
-                                           "runs": results, "table": text}, indent=1) + "\n")
+    write_report(args.json, started, plan, runs, results, text, args.steps)
     print(f"wrote {args.json}")
 
 

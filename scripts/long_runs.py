@@ -23,7 +23,6 @@ with every run's numbers, and a plot of held-out greedy pass@1 against steps.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -35,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from dllm_rl import analysis  # noqa: E402
-from sweep import run_all  # noqa: E402
+from sweep import add_arguments, run_all, write_report  # noqa: E402
 
 ARMS: dict[str, list[str]] = {
     "grpo": ["external=none"],
@@ -175,16 +174,10 @@ def main() -> None:
     parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--jobs", type=int, default=2, help="runs at a time")
-    parser.add_argument("--threads", type=int, default=1, help="OMP threads per run")
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--eval-prompts", type=int, default=128)
-    parser.add_argument("--out", default="runs/long")
-    parser.add_argument("--json", default="docs/long_runs.json")
     parser.add_argument("--plot", default="docs/long_runs.png")
-    parser.add_argument("--keep", default="docs/long_runs", help="each finished run's numbers")
-    parser.add_argument("--only-kept", action="store_true", help="tabulate the kept runs only; run nothing")
-    parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
+    add_arguments(parser, "runs/long", "docs/long_runs.json", "docs/long_runs")
     args = parser.parse_args()
 
     out, keep_dir = Path(args.out), Path(args.keep)
@@ -203,11 +196,7 @@ def main() -> None:
     text = table(results, args.tasks, args.arms)
     print(text)
     plot(results, args.tasks, args.arms, Path(args.plot))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "steps": args.steps,
-                                           "sweep_seconds": time.perf_counter() - started,
-                                           "missing": [list(p) for p in plan if runs[p] is None],
-                                           "runs": results, "table": text}, indent=1) + "\n")
+    write_report(args.json, started, plan, runs, results, text, args.steps)
     print(f"wrote {args.json} and {args.plot}")
 
 

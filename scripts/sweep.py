@@ -65,3 +65,27 @@ def run_all(plan: list[tuple], kept_path: dict, settings: Callable[..., dict], r
     with ThreadPoolExecutor(jobs) as pool:
         list(pool.map(work, todo))
     return runs
+
+
+def write_report(path: str, started: float, plan: list[tuple], runs: dict, results: list[dict], text: str,
+                 steps: int) -> None:
+    """The sweep's JSON: the command, steps per run, its seconds, the planned runs still missing, every run's
+    numbers, the table."""
+    import time
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({"command": " ".join(sys.argv), "steps": steps,
+                                      "sweep_seconds": time.perf_counter() - started,
+                                      "missing": [list(p) for p in plan if runs[p] is None],
+                                      "runs": results, "table": text}, indent=1) + "\n")
+
+
+def add_arguments(parser, out: str, report: str, keep: str) -> None:
+    """The options every resumable sweep takes: how many runs at a time, where runs, report and kept numbers go."""
+    parser.add_argument("--jobs", type=int, default=2, help="runs at a time")
+    parser.add_argument("--threads", type=int, default=1, help="OMP threads per run")
+    parser.add_argument("--out", default=out)
+    parser.add_argument("--json", default=report)
+    parser.add_argument("--keep", default=keep, help="each finished run's numbers")
+    parser.add_argument("--only-kept", action="store_true", help="tabulate the kept runs only; run nothing")
+    parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
