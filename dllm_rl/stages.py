@@ -76,9 +76,8 @@ from dllm_rl.seeds import derive_seed
 # Metrics that count rows or prompts: added up over data-parallel ranks (every other metric is averaged).
 COUNTS = tuple(f"external/{k}" for k in ("candidates", "too_long", "truncated", "unrepresentable", "incorrect",
                                          "prompts", "rows", "requests", "failed_requests", "retries",
-                                         "prefetched", "empty", "length_stopped", "episodes", "no_move")) + ("rollouts/on_policy",
-                                                                "curation/dropout_dropped", "curation/rows_dropped",
-                                                                "curation/dropout_positive") + tuple(
+                                         "prefetched", "empty", "length_stopped", "episodes", "no_move")) + (
+    "rollouts/on_policy", "curation/dropout_dropped", "curation/rows_dropped", "curation/dropout_positive") + tuple(
     f"curation/{kind}_{what}" for kind in ("echo", "echo_external") for what in ("clips", "tokens")) + (
     "curation/hindsight_rows", "curation/hindsight_failed")
 
