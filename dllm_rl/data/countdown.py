@@ -28,7 +28,7 @@ MAX_EXPRESSION_CHARS = 200
 MAX_NESTING = 32
 MAX_LITERAL_DIGITS = 6
 PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2}
-SOLVER_STYLES = ("free", "in_order", "aligned")
+SOLVER_STYLES = ("free", "in_order", "aligned", "aligned_first")
 
 
 class ExpressionError(ValueError):
@@ -126,12 +126,13 @@ def evaluate(tree) -> Fraction:
     return a / b
 
 
-def to_text(tree, parent_op: str | None = None, right: bool = False) -> str:
-    """Print a tree with only the parentheses that precedence needs."""
+def to_text(tree, parent_op: str | None = None, right: bool = False, spaced: bool = False) -> str:
+    """Print a tree with only the parentheses that precedence needs; `spaced` writes a space before each
+    operator, as solve_aligned does ("(2 +3) *4")."""
     if isinstance(tree, int):
         return str(tree)
     op, a, b = tree
-    text = f"{to_text(a, op)}{op}{to_text(b, op, right=True)}"
+    text = f"{to_text(a, op, spaced=spaced)}{' ' if spaced else ''}{op}{to_text(b, op, right=True, spaced=spaced)}"
     if parent_op is None:
         return text
     looser = PRECEDENCE[op] < PRECEDENCE[parent_op]
@@ -261,7 +262,8 @@ class Countdown(GeneratedTask):
     # correct expression whatever this is. free: any tree, numbers in any order. in_order: the numbers in
     # the prompt's order, brackets as needed (solve_countdown's keep_order). aligned: the numbers in the
     # prompt's order, no brackets, one space before each operator (solve_aligned). in_order and aligned
-    # decline the instances with no such answer (about 40%).
+    # decline the instances with no such answer (about 40%). aligned_first: the aligned answer where there is
+    # one, else the in_order one, else the free one, spaced as aligned ("(2 +3) *4"): every solvable instance.
     solver_style: str = "free"
     reward_style: str = "default"  # default | d1 (dllm_rl/data/d1_rewards.py)
 
@@ -355,8 +357,15 @@ class Countdown(GeneratedTask):
 
     def solve(self, example: Example) -> Solution | None:
         numbers, target = example.meta["numbers"], example.meta["target"]
-        if self.solver_style == "aligned":
+        if self.solver_style in ("aligned", "aligned_first"):
             text = solve_aligned(numbers, target)
-            return None if text is None else Solution(text, tuple(steps_of(parse_expression(text))))
-        tree = solve_countdown(numbers, target, keep_order=self.solver_style == "in_order")
-        return None if tree is None else Solution(to_text(tree), tuple(steps_of(tree)))
+            if text is not None:
+                return Solution(text, tuple(steps_of(parse_expression(text))))
+            if self.solver_style == "aligned":
+                return None
+        if self.solver_style == "aligned_first":  # the prompt's order, with brackets where needed, else any order
+            tree = solve_countdown(numbers, target, keep_order=True) or solve_countdown(numbers, target)
+        else:
+            tree = solve_countdown(numbers, target, keep_order=self.solver_style == "in_order")
+        spaced = self.solver_style == "aligned_first"
+        return None if tree is None else Solution(to_text(tree, spaced=spaced), tuple(steps_of(tree)))

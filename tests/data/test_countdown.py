@@ -6,7 +6,7 @@ from dllm_rl.data.countdown import (
     Countdown, ExpressionError, countdown_reward, evaluate, literals, parse_expression, solve_aligned,
     solve_countdown, to_text,
 )
-from dllm_rl.data.task import Solution, render_completion
+from dllm_rl.data.task import Example, Solution, render_completion
 from dllm_rl.data.tokenizers import build_char_tokenizer
 from dllm_rl.sft import solver_examples
 from dllm_rl.errors import ConfigError
@@ -107,8 +107,35 @@ def assert_solver_style_keeps_order(style: str, brackets: bool = True):
         assert task.reward(render_completion(solution), ex).correct
         assert free.solve(ex) is not None
     assert 0.4 < solved / len(examples) < 0.8
-    with pytest.raises(ConfigError, match="solver_style must be one of \\('free', 'in_order', 'aligned'\\), got 'yes'"):
+    styles = "\\('free', 'in_order', 'aligned', 'aligned_first'\\)"
+    with pytest.raises(ConfigError, match=f"solver_style must be one of {styles}, got 'yes'"):
         Countdown(solver_style="yes")
+
+
+def test_aligned_first_answers_every_instance_in_the_prompts_order_where_it_can():
+    # Hand-checked: [83, 64, 4] -> 15 has an aligned answer; [2, 3, 4] -> 20 has none, but (2+3)*4 keeps the order.
+    # The rest need another order: the free solver's tree, spaced the same way.
+    task = Countdown(solver_style="aligned_first")
+    assert task.solve(Example("countdown", "a", "", "", {"numbers": [83, 64, 4], "target": 15})).answer == "83 -64 -4"
+    assert task.solve(Example("countdown", "b", "", "", {"numbers": [2, 3, 4], "target": 20})).answer == "(2 +3) *4"
+    examples = task.examples("train", 300, seed=1)
+    aligned, in_order, free = Countdown(solver_style="aligned"), Countdown(solver_style="in_order"), Countdown()
+    kinds = {"aligned": 0, "in_order": 0, "free": 0}
+    for ex in examples:
+        solution = task.solve(ex)  # every generated instance is solvable, and every one is answered
+        assert task.reward(render_completion(solution), ex).correct
+        assert all(solution.answer[i - 1] == " " for i, c in enumerate(solution.answer) if c in "+-*/")
+        assert sorted(literals(parse_expression(solution.answer))) == sorted(ex.meta["numbers"])
+        if aligned.solve(ex) is not None:
+            assert solution.answer == aligned.solve(ex).answer
+            kinds["aligned"] += 1
+        elif in_order.solve(ex) is not None:
+            assert solution.answer.replace(" ", "") == in_order.solve(ex).answer
+            kinds["in_order"] += 1
+        else:
+            assert solution.answer.replace(" ", "") == free.solve(ex).answer
+            kinds["free"] += 1
+    assert kinds["aligned"] > 0.4 * len(examples) and kinds["in_order"] > 0 and kinds["free"] > 0.2 * len(examples)
 
 
 def test_aligned_answers_copy_the_prompt_digits_from_one_distance_with_single_digits_padded():
