@@ -189,6 +189,7 @@ def train_sft(
     batch_size: int,
     lr: float = 1e-3,
     warmup: int = 100,
+    schedule: str = "cosine",
     weight_decay: float = 0.01,
     grad_clip: float = 1.0,
     seed: int = 0,
@@ -197,9 +198,12 @@ def train_sft(
     device: torch.device | str = "cpu",
     print_fn=print,
     log_fn: Callable[[dict[str, Any]], None] | None = None,
+    after_step: Callable[[int], bool] | None = None,
 ) -> list[dict[str, Any]]:
-    """AdamW with warmup + cosine decay over `steps` minibatches drawn from `examples`; returns the log. The
-    masking noise comes from one generator on `device`, where the model runs."""
+    """AdamW with warmup, then cosine decay over `steps` minibatches drawn from `examples` (`schedule="constant"`:
+    none, so a run of n steps is the first n steps of a longer one); returns the log. The masking noise comes from
+    one generator on `device`, where the model runs. `after_step(steps_done)` runs after each optimizer step (it
+    may evaluate the model, and then puts it back in train mode); returning True ends the training there."""
     require(steps > 0 and batch_size > 0, f"steps and batch_size must be positive, got {steps}, {batch_size}")
     require(len(examples) >= batch_size, f"need at least batch_size={batch_size} examples, got {len(examples)}")
     params = [p for p in parameters if p.requires_grad]
@@ -211,9 +215,22 @@ def train_sft(
     use_bf16 = resolve_bf16(bf16, device)
     autocast = autocast_on(device, use_bf16)
     bar = tqdm(range(steps), desc="sft", unit="step", disable=None)
+
+    def record(step_done: int) -> None:
+        nonlocal running
+        entry = {"step": step_done, "loss": sum(running) / max(1, len(running)),
+                 "lr": optimizer.param_groups[0]["lr"], "seconds": round(time.perf_counter() - start, 1),
+                 "bf16": use_bf16}
+        log.append(entry)
+        if log_fn is not None:
+            log_fn({**entry, "bf16": float(use_bf16)})
+        running = []
+        bar.set_postfix(loss=f"{entry['loss']:.4f}")
+        print_fn(f"sft step {entry['step']}/{steps} loss {entry['loss']:.4f} lr {entry['lr']:.2e} {entry['seconds']}s")
+
     for step in bar:
         for group in optimizer.param_groups:
-            group["lr"] = lr * lr_factor(step, steps, "cosine", warmup, floor=0.1)
+            group["lr"] = lr * lr_factor(step, steps, schedule, warmup, floor=0.1)
         batch = rng.sample(list(examples), batch_size) if len(examples) < 4 * batch_size else [
             examples[rng.randrange(len(examples))] for _ in range(batch_size)]
         with autocast:
@@ -224,15 +241,11 @@ def train_sft(
         optimizer.step()
         running.append(loss.item())
         if (step + 1) % log_every == 0 or step + 1 == steps:
-            entry = {"step": step + 1, "loss": sum(running) / len(running), "lr": optimizer.param_groups[0]["lr"],
-                     "seconds": round(time.perf_counter() - start, 1), "bf16": use_bf16}
-            log.append(entry)
-            if log_fn is not None:
-                log_fn({**entry, "bf16": float(use_bf16)})
-            running = []
-            bar.set_postfix(loss=f"{entry['loss']:.4f}")
-            print_fn(f"sft step {entry['step']}/{steps} loss {entry['loss']:.4f} "
-                     f"lr {entry['lr']:.2e} {entry['seconds']}s")
+            record(step + 1)
+        if after_step is not None and after_step(step + 1):
+            if running:  # the log ends where the training does
+                record(step + 1)
+            break
     return log
 
 

@@ -120,6 +120,32 @@ def test_sft_loss_falls_for_both_model_kinds(char_tokenizer, make_dllm):
     assert log[-1]["loss"] < 0.5 * log[0]["loss"]
 
 
+def test_a_constant_schedule_run_is_the_prefix_of_a_longer_one_and_after_step_can_end_it(char_tokenizer, make_dllm):
+    """With no decay, the weights after n steps of a longer run are those of an n-step run (so a run stopped by
+    `after_step`, say when an evaluation says so, is reproduced by its step count), and `after_step` ends a run
+    where it says, with its log ending there."""
+    data = solver_examples(build_task("arithmetic", digits=1, num_operands=2), 40, 0, with_steps=False,
+                           print_fn=lambda *_: None)
+    schedule = MaskingSchedule()
+
+    def run(steps, after_step=None):
+        policy = make_dllm(hidden=32)
+        policy.model.train()
+        log = train_sft(lambda batch, g: diffusion_sft_loss(policy, *diffusion_batch(char_tokenizer, batch, 24),
+                                                            schedule, g),
+                        policy.model.parameters(), data, steps=steps, batch_size=8, lr=3e-3, warmup=2,
+                        schedule="constant", log_every=2, print_fn=lambda *_: None, after_step=after_step)
+        return log, [p.detach().clone() for p in policy.model.parameters()]
+
+    short_log, short = run(3)
+    seen = []
+    long_log, stopped = run(8, after_step=lambda done: seen.append(done) or done == 3)
+    assert seen == [1, 2, 3] and [e["step"] for e in long_log] == [2, 3] == [e["step"] for e in short_log]
+    assert all(torch.equal(a, b) for a, b in zip(short, stopped))
+    _, longer = run(4)
+    assert not all(torch.equal(a, b) for a, b in zip(short, longer))
+
+
 MATH_ROWS = {
     "gsm8k": [{"question": f"What is {i} + {i}?", "answer": f"Add {i} and {i}.\nThat is {2 * i}.\n#### {2 * i}"}
               for i in range(1, 5)],
