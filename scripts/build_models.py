@@ -53,10 +53,10 @@ TASKS = {"countdown": {}, "sudoku": {}}
 # (Countdown-only, batch 64, lr 2e-3 cosine, greedy on 100 test prompts, window 64): 0.00 pass@1 at format rate
 # 0.99-1.00 for aligned at 300 steps, free at 300, aligned_first at 300 and 800, and aligned_first at 800 with
 # windows of 64/128/256 tokens (half the batches at 64; that model keeps format 0.99 decoding 128 and 256 tokens,
-# where one trained at 64 alone wrote 0.58 at 128): this model reaches Countdown only late in a long annealed build
-# (0.175 here at 1,500). A build with those windows, a context of 512, aligned_first and a constant lr 1e-3 (pass@1 on 64 test
-# prompts every 100 steps) kept Countdown at 0.000-0.016 up to step 1,000 while Sudoku jumped from 0.000 (step
-# 700) to 0.109, 0.297, 0.406 (steps 800, 900, 1,000).
+# where free at 300 steps, trained at 64 alone, wrote 0.58 at 128): this model reaches Countdown only late in a
+# long annealed build (0.175 here at 1,500). A build with those windows, a context of 512, aligned_first and a
+# constant lr 1e-3 (pass@1 on 64 test prompts every 100 steps) kept Countdown at 0.000-0.016 up to step 1,000
+# while Sudoku jumped from 0.000 (step 700) to 0.109, 0.297, 0.406 (steps 800, 900, 1,000).
 SFT_TASKS = {
     "dllm": {"countdown": {"solver_style": "aligned"}, "sudoku": {"blanks": [6, 10]}},
     "ar": {"countdown": {}, "sudoku": {"blanks": [6, 10]}},
