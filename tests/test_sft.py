@@ -137,12 +137,12 @@ def test_a_constant_schedule_run_is_the_prefix_of_a_longer_one_and_after_step_ca
                         schedule="constant", log_every=2, print_fn=lambda *_: None, after_step=after_step)
         return log, [p.detach().clone() for p in policy.model.parameters()]
 
-    short_log, short = run(3)
+    short_log, short = run(5)  # past the warm-up, where a decaying rate would differ between 5 and 8 steps
     seen = []
-    long_log, stopped = run(8, after_step=lambda done: seen.append(done) or done == 3)
-    assert seen == [1, 2, 3] and [e["step"] for e in long_log] == [2, 3] == [e["step"] for e in short_log]
+    long_log, stopped = run(8, after_step=lambda done: seen.append(done) or done == 5)
+    assert seen == [1, 2, 3, 4, 5] and [e["step"] for e in long_log] == [2, 4, 5] == [e["step"] for e in short_log]
     assert all(torch.equal(a, b) for a, b in zip(short, stopped))
-    _, longer = run(4)
+    _, longer = run(6)
     assert not all(torch.equal(a, b) for a, b in zip(short, longer))
 
 
