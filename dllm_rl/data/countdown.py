@@ -356,16 +356,13 @@ class Countdown(GeneratedTask):
                        {"numbers": numbers, "target": target, "relabelled_from": example.uid})
 
     def solve(self, example: Example) -> Solution | None:
-        numbers, target = example.meta["numbers"], example.meta["target"]
-        if self.solver_style in ("aligned", "aligned_first"):
-            text = solve_aligned(numbers, target)
-            if text is not None:
-                return Solution(text, tuple(steps_of(parse_expression(text))))
-            if self.solver_style == "aligned":
-                return None
-        if self.solver_style == "aligned_first":  # the prompt's order, with brackets where needed, else any order
-            tree = solve_countdown(numbers, target, keep_order=True) or solve_countdown(numbers, target)
-        else:
-            tree = solve_countdown(numbers, target, keep_order=self.solver_style == "in_order")
-        spaced = self.solver_style == "aligned_first"
-        return None if tree is None else Solution(to_text(tree, spaced=spaced), tuple(steps_of(tree)))
+        numbers, target, style = example.meta["numbers"], example.meta["target"], self.solver_style
+        text = solve_aligned(numbers, target) if style in ("aligned", "aligned_first") else None
+        if text is not None:
+            return Solution(text, tuple(steps_of(parse_expression(text))))
+        if style == "aligned":
+            return None
+        tree = solve_countdown(numbers, target, keep_order=style in ("in_order", "aligned_first"))
+        if tree is None and style == "aligned_first":  # no answer in the prompt's order: any order
+            tree = solve_countdown(numbers, target)
+        return None if tree is None else Solution(to_text(tree, spaced=style == "aligned_first"), tuple(steps_of(tree)))
