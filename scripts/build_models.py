@@ -6,11 +6,14 @@ directory gets config, tokenizer, safetensors weights, eval.json and a model car
 
 The two models use different tokenizers on purpose (character-level for the dLLM, byte-level BPE with
 single-digit tokens for the AR model), so that external rollouts really cross tokenizers. The dLLM is
-trained for fewer steps than the AR model: it must leave RL headroom, while the AR model plays the stronger
-external policy.
+trained less far than the AR model: it must leave RL headroom (DLLM_PHASES and its headroom rule), while the AR
+model plays the stronger external policy.
+
+models/tiny-dllm was built by the single-phase recipe of commit 9992aa5 (window 64 alone, 1,500 steps; its card
+gives the command); DLLM_PHASES is the recipe of the next build, with what it measured in the comment above it.
 
     python scripts/build_models.py                  # both models, as committed
-    python scripts/build_models.py --only dllm --dllm-steps 300 --eval-prompts 50 --out /tmp/m   # quick look
+    python scripts/build_models.py --only dllm --dllm-steps 300,100 --eval-prompts 50 --out /tmp/m   # quick look
     python scripts/build_models.py --only agent    # the agent (models/tiny-dllm-agent) from models/tiny-dllm
 """
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import random
 import time
 from pathlib import Path
 
@@ -71,22 +75,92 @@ WITH_STEPS = {"dllm": {"countdown": False, "sudoku": False}, "ar": {"countdown":
 # grows (1,500 steps each; Countdown / Sudoku greedy pass@1): Sudoku share 0.5 -> 12.5% / 0.0%, 0.75 -> 17.5% /
 # 38.0% (the committed model), 1.0 -> 7.0% / 60.5%.
 SFT_SHARE = {"dllm": {"countdown": 1.0, "sudoku": 0.75}, "ar": {"countdown": 1.0, "sudoku": 1.0}}
-GEN_LENGTH = 64  # the completion window of SFT and evaluation (--gen-length changes the dLLM's)
+GEN_LENGTH = 64  # the completion window of evaluation (and of the AR model's SFT)
+
+# The dLLM's SFT runs in phases on one model, each with its own optimizer, schedule, data and windows:
+# - phase 1 is the recipe that taught this model Countdown (window 64 alone, aligned answers; see SFT_TASKS) with
+#   less Sudoku than the old committed model's 0.75, which had Sudoku at 0.38: too far for RL to show anything;
+# - phase 2 teaches what the protocols need and keeps what phase 1 learnt: completion windows of 64, 128 and 256
+#   tokens (a batch's window drawn by these shares; the EOS fill after the answer is what the long windows add),
+#   Countdown answers in `aligned_first` (aligned where the prompt's order allows one, else any order: every
+#   solvable instance has an answer), a small constant lr. With `every`, the headroom rule evaluates the model
+#   (greedy, HEADROOM_PROMPTS test prompts per task, window 64) and stops at the first checkpoint with both tasks
+#   in HEADROOM, else keeps the checkpoint nearest to it.
+# Measured (build seed 0, greedy pass@1 on 64 test prompts, window 64, s.e. about 0.045 near 0.15):
+# - long windows from the first step keep Countdown near zero: three 1,500-step builds (lr 2e-3 cosine, windows
+#   64/128/256 at 50/25/25% or 70/15/15%, aligned or aligned_first) read 0.000-0.047 at every evaluation from step
+#   500 on, against 0.175 for the window-64 build;
+# - Sudoku's jump is not placed by the share: with windows 70/15/15 and Sudoku share 0.65 it came at steps 700-1,100
+#   (0.078, 0.125, 0.172, 0.203, 0.359) with aligned_first and not by 1,500 with aligned answers;
+# - 300 steps of phase 2's windows at lr 3e-4 (Sudoku share 0.75) on the old window-64 model kept Countdown at
+#   0.09-0.22 (0.172 at 0 and 300) and Sudoku at 0.34-0.39, and made 128 and 256 decode under protocol=d1
+#   (Countdown 0.109 / 0.109 / 0.062, Sudoku 0.219 / 0.266 / 0.281 at 64 / 128 / 256, format 1.000; the old model
+#   wrote 0.000 at 128).
+DLLM_PHASES = (
+    {"steps": 1500, "lr": 2e-3, "schedule": "cosine", "warmup": 100, "windows": {64: 1.0},
+     "countdown": "aligned", "sudoku_share": 0.5, "every": 0},
+    {"steps": 600, "lr": 6e-4, "schedule": "constant", "warmup": 20, "windows": {64: 0.5, 128: 0.25, 256: 0.25},
+     "countdown": "aligned_first", "sudoku_share": 1.0, "every": 50},
+)
+HEADROOM = (0.05, 0.2)  # greedy pass@1 the dLLM should start RL at on both tasks: mixed groups at group size 6
+HEADROOM_PROMPTS = 64
+CONTEXT = 512  # prompt (under 100 tokens with compact prompts) + the longest window, 256
+D1_LENGTHS = (64, 128, 256)  # the card's protocol=d1 table
 
 
-def sft_data(n_per_task: int, seed: int, model: str):
+def sft_data(n_per_task: int, seed: int, model: str, share: dict | None = None, countdown: str | None = None):
     data = []
     for name, kwargs in SFT_TASKS[model].items():
-        data += solver_examples(build_task(name, **kwargs), round(n_per_task * SFT_SHARE[model][name]), seed,
-                                with_steps=WITH_STEPS[model][name])
+        if name == "countdown" and countdown is not None:
+            kwargs = {**kwargs, "solver_style": countdown}
+        data += solver_examples(build_task(name, **kwargs), round(n_per_task * (share or SFT_SHARE[model])[name]),
+                                seed, with_steps=WITH_STEPS[model][name])
     return data
 
 
-def evaluate_all(generator: TextGenerator, num_prompts: int, source: str) -> dict:
+def headroom_gap(evals: dict) -> float:
+    """How far the tasks' pass@1 lie outside HEADROOM, summed (0: both inside)."""
+    low, high = HEADROOM
+    return sum(max(0.0, low - s["pass@1"], s["pass@1"] - high) for s in evals.values())
+
+
+class HeadroomStop:
+    """train_sft's after_step for a phase: every `every` steps, evaluate; stop at the first checkpoint in
+    HEADROOM, and remember the nearest one (its weights), which `keep_best` restores when none was inside."""
+
+    def __init__(self, model, generator: TextGenerator, offset: int, every: int, print_fn=print):
+        self.model, self.generator, self.offset, self.every, self.print = model, generator, offset, every, print_fn
+        self.best: tuple[float, int, dict, dict] | None = None
+        self.history: list[dict] = []
+
+    def __call__(self, step: int) -> bool:
+        if not self.every or step % self.every:
+            return False
+        self.model.eval()
+        evals = evaluate_all(self.generator, HEADROOM_PROMPTS, "headroom", print_fn=lambda *_: None)
+        self.model.train()
+        gap, at = headroom_gap(evals), self.offset + step
+        self.history.append({"step": at, **{t: s["pass@1"] for t, s in evals.items()}})
+        self.print(f"headroom at step {at}: " + ", ".join(f"{t} {s['pass@1']:.3f}" for t, s in evals.items()))
+        if self.best is None or gap < self.best[0]:
+            state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            self.best = (gap, at, state, evals)
+        return gap == 0.0
+
+    def keep_best(self) -> int | None:
+        """Load the nearest checkpoint's weights; return its step (None when nothing was evaluated)."""
+        if self.best is None:
+            return None
+        self.model.load_state_dict(self.best[2])
+        return self.best[1]
+
+
+def evaluate_all(generator: TextGenerator, num_prompts: int, source: str, print_fn=print) -> dict:
     results = {}
     for name, kwargs in TASKS.items():
         summary, _ = evaluate_task(generator, build_task(name, **kwargs), num_prompts=num_prompts,
-                                   num_samples=1, batch_size=64, seed=0, split="test", source=source)
+                                   num_samples=1, batch_size=64, seed=0, split="test", source=source,
+                                   print_fn=print_fn)
         results[name] = summary
     return results
 
@@ -119,7 +193,7 @@ Reproduce: `dllm-rl eval model={path.as_posix()} task=<task> num_prompts={evals[
 
 
 def evaluate_and_save(out: Path, model, tokenizer, generator: TextGenerator, eval_prompts: int, log, start: float,
-                      title: str, body: dict, command: str) -> dict:
+                      title: str, body: dict, command: str, extra: dict | None = None) -> dict:
     evals = evaluate_all(generator, eval_prompts, str(out))
     seconds = time.perf_counter() - start
     out.mkdir(parents=True, exist_ok=True)
@@ -127,7 +201,8 @@ def evaluate_and_save(out: Path, model, tokenizer, generator: TextGenerator, eva
         model.generation_config.do_sample = True
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    record = {"evals": evals, "gen_length": generator.gen_length, "sft_log": log, "build_seconds": seconds}
+    record = {"evals": evals, "gen_length": generator.gen_length, "sft_log": log, "build_seconds": seconds,
+              **(extra or {})}
     (out / "eval.json").write_text(json.dumps(record, indent=2) + "\n")
     model_card(out, title, model.num_parameters(), {**body, "window": generator.gen_length}, evals, command, seconds)
     return evals
@@ -148,50 +223,129 @@ def reuse_built(out: Path, model_class):
     return model, load_tokenizer(str(out)), previous["sft_log"], start
 
 
-def build_dllm(out: Path, steps: int, n_per_task: int, eval_prompts: int, seed: int, command: str,
-               eval_only: bool = False, gen_length: int = GEN_LENGTH) -> dict:
+def phase_windows(windows: dict, seed: int):
+    """A sampler of SFT windows with the given shares, one draw per batch (its own seeded stream)."""
+    rng, sizes, shares = random.Random(seed), list(windows), list(windows.values())
+    return lambda: rng.choices(sizes, shares)[0]
+
+
+def build_dllm(out: Path, steps: list[int], n_per_task: int, eval_prompts: int, seed: int, command: str,
+               eval_only: bool = False, phases: tuple = DLLM_PHASES, from_phase: int = 1) -> dict:
+    """SFT in `phases` (their step counts replaced by `steps`); with from_phase > 1, start from the model phase
+    from_phase - 1 ended with, saved under out/.phase<n> (a phase is rerun without its predecessors)."""
     start = time.perf_counter()
-    tokenizer = build_char_tokenizer(model_max_length=256, pad_single_digits=True)
+    tokenizer = build_char_tokenizer(model_max_length=CONTEXT, pad_single_digits=True)
     config = DiffusionLMConfig(vocab_size=len(tokenizer), hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-                               max_position_embeddings=256, mask_token_id=tokenizer.mask_token_id,
+                               max_position_embeddings=CONTEXT, mask_token_id=tokenizer.mask_token_id,
                                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                                bos_token_id=tokenizer.bos_token_id)
     torch.manual_seed(seed)
     model = DiffusionLM(config)
-    policy = wrap_model(model, "native", tokenizer)
     schedule = MaskingSchedule()
-    data = drop_overlong(sft_data(n_per_task, seed, "dllm"), tokenizer, gen_length)
-
-    def loss_fn(batch, generator):
-        ids, mask, prompt_length = diffusion_batch(tokenizer, batch, gen_length)
-        return diffusion_sft_loss(policy, ids, mask, prompt_length, schedule, generator, weighting="masked_mean")
-
+    phases = [{**phase, "steps": n} for phase, n in zip(phases, steps)]
+    log, stopped_at, headroom = [], None, []
     if eval_only:
         model, tokenizer, log, start = reuse_built(out, DiffusionLM)
-        policy = wrap_model(model, "native", tokenizer)
-    else:
+        previous = json.loads((out / "eval.json").read_text())
+        stopped_at, headroom = previous.get("headroom_step"), previous.get("headroom", [])
+    elif from_phase > 1:
+        model = DiffusionLM.from_pretrained(out / f".phase{from_phase - 1}")
+        log = json.loads((out / f".phase{from_phase - 1}" / "sft_log.json").read_text())
+    policy = wrap_model(model, "native", tokenizer)
+    generator = TextGenerator(policy, tokenizer, gen_length=GEN_LENGTH, block_length=32, steps=GEN_LENGTH)
+    done = sum(p["steps"] for p in phases[:from_phase - 1])
+    for number, phase in enumerate(phases if not eval_only else [], start=1):
+        if number < from_phase:
+            continue
+        data = drop_overlong(sft_data(n_per_task, seed, "dllm", {"countdown": 1.0, "sudoku": phase["sudoku_share"]},
+                                      phase["countdown"]), tokenizer, GEN_LENGTH)
+        window = phase_windows(phase["windows"], seed + number)
+
+        def loss_fn(batch, noise):
+            ids, mask, prompt_length = diffusion_batch(tokenizer, batch, window())
+            return diffusion_sft_loss(policy, ids, mask, prompt_length, schedule, noise, weighting="masked_mean")
+
+        stop = HeadroomStop(model, generator, done, phase["every"])
         model.train()
-        log = train_sft(loss_fn, model.parameters(), data, steps=steps, batch_size=64, lr=2e-3, warmup=100, seed=seed)
+        phase_log = train_sft(loss_fn, model.parameters(), data, steps=phase["steps"], batch_size=64, lr=phase["lr"],
+                              warmup=phase["warmup"], schedule=phase["schedule"], seed=seed + number - 1,
+                              after_step=stop)
+        log += [{**entry, "phase": number, "step": done + entry["step"]} for entry in phase_log]
+        done += phase["steps"]
+        kept = stop.keep_best()
+        stopped_at, headroom = (kept, headroom + stop.history) if kept is not None else (stopped_at, headroom)
         model.eval()
-    generator = TextGenerator(policy, tokenizer, gen_length=gen_length, block_length=32, steps=gen_length)
+        model.save_pretrained(out / f".phase{number}")
+        (out / f".phase{number}" / "sft_log.json").write_text(json.dumps(log) + "\n")
+        if stop.best is not None and stop.best[0] == 0.0:
+            break
     schedule.save_pretrained(out)
-    return evaluate_and_save(out, model, tokenizer, generator, eval_prompts, log, start,
-                             "tiny-dllm: the embedded masked-diffusion policy", {
+    recipe = "; ".join(
+        f"phase {n}: {p['steps']} steps, lr {p['lr']:g} {p['schedule']}, windows "
+        + "/".join(f"{w} ({share:.0%})" for w, share in p["windows"].items())
+        + f", Countdown {p['countdown']}, Sudoku share {p['sudoku_share']:g}"
+        + (f", headroom rule every {p['every']} steps" if p["every"] else "") for n, p in enumerate(phases, 1))
+    evals = evaluate_and_save(out, model, tokenizer, generator, eval_prompts, log, start,
+                              "tiny-dllm: the embedded masked-diffusion policy", {
         "what": "A small masked-diffusion LM (dllm-rl's native architecture) trained to be a weak policy "
-                "with room for RL: it solves some, not most, of the tasks.",
-        "arch": "bidirectional transformer, 4 layers, hidden 256, 4 heads, SwiGLU 704, RoPE, RMSNorm",
+                f"with room for RL: it starts both tasks' greedy pass@1 near {HEADROOM[0]:g}-{HEADROOM[1]:g}.",
+        "arch": f"bidirectional transformer, 4 layers, hidden 256, 4 heads, SwiGLU 704, RoPE, RMSNorm, "
+                f"context {CONTEXT}",
         "data": "answers only, no step traces; Countdown answers aligned with the prompt's list (numbers in its "
-                "order, no brackets, a space before each operator: `83 -64 -4` for [83, 64, 4]; the ~40% of "
-                "instances without such an answer are left out); Sudoku SFT puzzles have 6-10 blanks, easier "
-                "than the 8-12 of the task default it is evaluated on",
+                "order, no brackets, a space before each operator: `83 -64 -4` for [83, 64, 4]) where one exists, "
+                "and from the last phase on any-order answers for the others (`aligned_first`), so every "
+                "solvable instance has an answer; Sudoku SFT puzzles have 6-10 blanks, easier than the 8-12 of "
+                "the task default it is evaluated on",
         "tokenizer": "character-level (printable ASCII + special tokens), "
                      f"{len(tokenizer)} ids; pad, mask, eos, bos, unk; a standalone one-digit number is read "
                      "with a leading zero (4 as 04) and written back without it",
         "training": f"masked-diffusion SFT (linear schedule, mean CE over masked tokens: see "
-                    f"`dllm_rl.sft.diffusion_sft_loss` for why not LLaDA's 1/t weight here), {steps} steps x 64 "
-                    f"sequences, AdamW lr 2e-3 cosine, {precision_of(log)}; "
-                    f"{len(data)} examples; gen window {gen_length}",
-    }, command)
+                    f"`dllm_rl.sft.diffusion_sft_loss` for why not LLaDA's 1/t weight here), batches of 64 "
+                    f"sequences, AdamW, {precision_of(log)}; {recipe}; "
+                    + (f"the headroom rule kept step {stopped_at} (greedy pass@1 on {HEADROOM_PROMPTS} test "
+                       "prompts per task, window 64: " + ", ".join(
+                           f"{h['step']}: " + "/".join(f"{h[t]:.3f}" for t in TASKS) for h in headroom)
+                       + f", {' / '.join(TASKS)})" if stopped_at is not None else "no headroom rule ran"),
+    }, command, extra={"headroom_step": stopped_at, "headroom": headroom})
+    d1_table(out, eval_prompts=HEADROOM_PROMPTS)
+    return evals
+
+
+def d1_table(out: Path, eval_prompts: int) -> None:
+    """The card's protocol=d1 table: pass@1 at D1_LENGTHS with the tasks' compact prompts (d1's own
+    instructions do not fit), appended to the card and written to eval.json."""
+    import tempfile
+
+    from dllm_rl import cli
+
+    rows = []
+    for task in TASKS:
+        with tempfile.TemporaryDirectory() as tmp:
+            code = cli.main(["eval", f"model={out}", f"task={task}", "protocol=d1",
+                             "++protocol.task.prompt_style=compact",
+                             "protocol.lengths=[" + ",".join(map(str, D1_LENGTHS)) + "]",
+                             f"num_prompts={eval_prompts}", f"output_dir={tmp}"])
+            if code != 0:
+                raise SystemExit(f"dllm-rl eval protocol=d1 failed for {task} (exit {code})")
+            summary = json.loads((Path(tmp) / "summary.json").read_text())
+        for length in D1_LENGTHS:
+            result = summary["lengths"][str(length)][task]
+            rows.append({"task": task, "length": length, "pass@1": result["pass@1"],
+                         "format_rate": result["format_rate"]})
+    record = json.loads((out / "eval.json").read_text())
+    (out / "eval.json").write_text(json.dumps({**record, "protocol_d1": rows}, indent=2) + "\n")
+    lines = "\n".join(f"| {r['task']} | {r['length']} | {r['pass@1']:.3f} | {r['format_rate']:.3f} |" for r in rows)
+    with open(out / "README.md", "a") as card:
+        card.write(f"""
+## Under protocol=d1 (greedy, {eval_prompts} test prompts per task, the tasks' compact prompts)
+
+| task | length | pass@1 | format rate |
+|---|---|---|---|
+{lines}
+
+Reproduce: `dllm-rl eval model={out.as_posix()} task=<task> protocol=d1 ++protocol.task.prompt_style=compact \
+protocol.lengths=[{','.join(map(str, D1_LENGTHS))}] num_prompts={eval_prompts}`.
+""")
 
 
 def build_ar(out: Path, steps: int, n_per_task: int, eval_prompts: int, seed: int, command: str,
@@ -333,27 +487,35 @@ def main() -> None:
     parser.add_argument("--agent-steps", type=int, default=700)
     parser.add_argument("--agent-turns", type=int, default=10000, help="solver turns in all (AGENT_ENVS' shares)")
     parser.add_argument("--agent-eval-seeds", type=int, default=100)
-    parser.add_argument("--dllm-steps", type=int, default=1500)
+    parser.add_argument("--dllm-steps", default=",".join(str(p["steps"]) for p in DLLM_PHASES),
+                        help="the dLLM's SFT steps, one count per phase of DLLM_PHASES, comma-separated")
+    parser.add_argument("--from-phase", type=int, default=1,
+                        help="rerun the dLLM's SFT from this phase on, from the model the phase before it saved "
+                             "under <out>/tiny-dllm/.phase<n>")
     parser.add_argument("--ar-steps", type=int, default=2000)
     parser.add_argument("--examples-per-task", type=int, default=20000)
     parser.add_argument("--eval-prompts", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-only", action="store_true", help="re-evaluate models already in --out (no training)")
-    parser.add_argument("--gen-length", type=int, default=GEN_LENGTH,
-                        help="the dLLM's completion window in SFT and evaluation (e.g. 128 for a model that decodes "
-                             "128-token windows, as scripts/bench_decoding.py needs to measure quality there)")
     args = parser.parse_args()
+    dllm_steps = [int(n) for n in str(args.dllm_steps).split(",")]
+    if len(dllm_steps) != len(DLLM_PHASES) or min(dllm_steps) < 1:
+        parser.error(f"--dllm-steps {args.dllm_steps}: expected {len(DLLM_PHASES)} positive step counts, one per "
+                     f"phase of DLLM_PHASES, comma-separated (as {','.join(str(p['steps']) for p in DLLM_PHASES)})")
+    if not 1 <= args.from_phase <= len(DLLM_PHASES):
+        parser.error(f"--from-phase {args.from_phase}: expected a phase number from 1 to {len(DLLM_PHASES)}")
     # The command that rebuilds the models as they are: the script plus any setting that changes them.
     changed = [f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-               if k in ("dllm_steps", "ar_steps", "examples_per_task", "eval_prompts", "seed", "gen_length",
+               if k in ("dllm_steps", "ar_steps", "examples_per_task", "eval_prompts", "seed",
                         "agent_steps", "agent_turns", "agent_eval_seeds")
                and v != parser.get_default(k)]
     command = " ".join(["python scripts/build_models.py", *changed])
     torch.set_num_threads(max(1, torch.get_num_threads()))
     results = {}
     if args.only in (None, "dllm"):
-        results["tiny-dllm"] = build_dllm(Path(args.out) / "tiny-dllm", args.dllm_steps, args.examples_per_task,
-                                          args.eval_prompts, args.seed, command, args.eval_only, args.gen_length)
+        results["tiny-dllm"] = build_dllm(Path(args.out) / "tiny-dllm", dllm_steps, args.examples_per_task,
+                                          args.eval_prompts, args.seed, command, args.eval_only,
+                                          from_phase=args.from_phase)
     if args.only in (None, "ar"):
         results["tiny-ar"] = build_ar(Path(args.out) / "tiny-ar", args.ar_steps, args.examples_per_task,
                                       args.eval_prompts, args.seed, command, args.eval_only)
