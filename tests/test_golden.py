@@ -4,7 +4,12 @@ The numbers were written down from the trainer before its step was split into st
 against them with tight tolerances, so a change that moves every path at once (a seed, a normaliser, the
 order of two draws) fails here even where the relative tests (resume equals straight, N ranks equal one)
 still pass. bf16 is off: fp32 on the CPU is deterministic, and the numbers came out the same with one thread
-and two. Every option whose default could change is written out. The two-rank ZeRO-2 numbers are in
+and two. Across instruction sets they are not bit-equal: the kernels of an AVX2-only CPU round differently from
+an AVX512 one's (measured on 2 cores: 2.1e-6 absolute on a step's loss of 0.008, 5.0e-5 on the checksum of 161).
+So the tolerances are 1e-4 relative or 1e-5 absolute on the step numbers and 2e-4 on the checksum. What they still
+catch, measured on the external run's checksum: seed 1 moves it by 4.7, lr 1% higher by 0.22; grad_clip 1% lower
+(7e-5, where a clip rarely binds) stays within them.
+Every option whose default could change is written out. The two-rank ZeRO-2 numbers are in
 tests/engine/test_distributed.py (they reuse its two-rank runs).
 
 If a change is meant to move these numbers, say so in its commit and write the new ones here.
@@ -68,9 +73,9 @@ def assert_golden(run: Path, golden, checksum) -> None:
     expected_steps, expected_checksum = golden
     for got, want in zip(step_numbers(run), expected_steps, strict=True):
         assert [g is None for g in got] == [w is None for w in want]
-        assert [g for g in got if g is not None] == pytest.approx([w for w in want if w is not None], rel=1e-5,
-                                                                  abs=1e-7)
-    assert checksum(run / "checkpoints" / "step_000002") == pytest.approx(expected_checksum, rel=0, abs=1e-6)
+        assert [g for g in got if g is not None] == pytest.approx([w for w in want if w is not None], rel=1e-4,
+                                                                  abs=1e-5)
+    assert checksum(run / "checkpoints" / "step_000002") == pytest.approx(expected_checksum, rel=0, abs=2e-4)
 
 
 def test_the_test_model_is_the_one_the_numbers_were_taken_from(saved_model, checksum):
