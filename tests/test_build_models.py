@@ -83,6 +83,7 @@ def test_windows_are_drawn_by_their_shares_and_seeded(build):
     assert [again() for _ in range(50)] == [first() for _ in range(50)]
 
 
+@pytest.mark.slow  # a fresh interpreter imports torch
 def test_step_counts_must_match_the_phases(build):
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "build_models.py"), "--only", "dllm",
                              "--dllm-steps", "300"], capture_output=True, text=True, timeout=120)
