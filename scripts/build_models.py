@@ -96,6 +96,11 @@ GEN_LENGTH = 64  # the completion window of evaluation (and of the AR model's SF
 #   0.09-0.22 (0.172 at 0 and 300) and Sudoku at 0.34-0.39, and made 128 and 256 decode under protocol=d1
 #   (Countdown 0.109 / 0.109 / 0.062, Sudoku 0.219 / 0.266 / 0.281 at 64 / 128 / 256, format 1.000; the old model
 #   wrote 0.000 at 128).
+# - These phases, build seed 0, in fp32 (an AVX2-only CPU, 2.1-2.3 s a step at window 64): phase 1 ended at loss
+#   0.082, Countdown 0.078 and Sudoku 0.000 (format 1.000 on both); phase 2 at lr 6e-4 (loss 0.68 at its step 100,
+#   0.17 at 200) read Countdown 0.016, 0.016, 0.188, 0.016, 0.031 and Sudoku 0.000, 0.000, 0.016, 0.016, 0.000 at
+#   its steps 50-250, where the run was stopped (no checkpoint in the band yet; phase 2 needs about 3.5 s a step
+#   and 1.5 minutes an evaluation here). Countdown swings at this lr: the next try is phase 2 at 3e-4, as the probe.
 DLLM_PHASES = (
     {"steps": 1500, "lr": 2e-3, "schedule": "cosine", "warmup": 100, "windows": {64: 1.0},
      "countdown": "aligned", "sudoku_share": 0.5, "every": 0},
