@@ -135,7 +135,7 @@ class HeadroomStop:
 
     def __init__(self, model, generator: TextGenerator, offset: int, every: int, print_fn=print):
         self.model, self.generator, self.offset, self.every, self.print = model, generator, offset, every, print_fn
-        self.best: tuple[float, int, dict, dict] | None = None
+        self.best: tuple[float, int, dict] | None = None  # (gap, step, weights) of the nearest checkpoint
         self.history: list[dict] = []
 
     def __call__(self, step: int) -> bool:
@@ -149,7 +149,7 @@ class HeadroomStop:
         self.print(f"headroom at step {at}: " + ", ".join(f"{t} {s['pass@1']:.3f}" for t, s in evals.items()))
         if self.best is None or gap < self.best[0]:
             state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-            self.best = (gap, at, state, evals)
+            self.best = (gap, at, state)
         return gap == 0.0
 
     def keep_best(self) -> int | None:
@@ -254,6 +254,9 @@ def build_dllm(out: Path, steps: list[int], n_per_task: int, eval_prompts: int, 
         previous = json.loads((out / "eval.json").read_text())
         stopped_at, headroom = previous.get("headroom_step"), previous.get("headroom", [])
     elif from_phase > 1:
+        if not (out / f".phase{from_phase - 1}" / "sft_log.json").is_file():
+            raise SystemExit(f"--from-phase {from_phase}: {out / f'.phase{from_phase - 1}'} holds no finished phase "
+                             f"{from_phase - 1}; build it first (--from-phase {from_phase - 1} or 1)")
         model = DiffusionLM.from_pretrained(out / f".phase{from_phase - 1}")
         log = json.loads((out / f".phase{from_phase - 1}" / "sft_log.json").read_text())
     policy = wrap_model(model, "native", tokenizer)
@@ -278,7 +281,8 @@ def build_dllm(out: Path, steps: list[int], n_per_task: int, eval_prompts: int, 
         log += [{**entry, "phase": number, "step": done + entry["step"]} for entry in phase_log]
         done += phase["steps"]
         kept = stop.keep_best()
-        stopped_at, headroom = (kept, headroom + stop.history) if kept is not None else (stopped_at, headroom)
+        if kept is not None:
+            stopped_at, headroom = kept, headroom + stop.history
         model.eval()
         model.save_pretrained(out / f".phase{number}")
         (out / f".phase{number}" / "sft_log.json").write_text(json.dumps(log) + "\n")

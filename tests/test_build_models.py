@@ -89,3 +89,11 @@ def test_step_counts_must_match_the_phases(build):
                              "--dllm-steps", "300"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert f"--dllm-steps 300: expected {len(build.DLLM_PHASES)} positive step counts" in result.stderr
+
+
+@pytest.mark.slow  # a fresh interpreter imports torch
+def test_a_later_phase_needs_the_one_before_it(build, tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "build_models.py"), "--only", "dllm",
+                             "--from-phase", "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    assert f"--from-phase 2: {tmp_path / 'tiny-dllm' / '.phase1'} holds no finished phase 1" in result.stderr
