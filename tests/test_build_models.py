@@ -67,6 +67,13 @@ def test_without_a_checkpoint_inside_the_nearest_is_restored(build, monkeypatch)
     assert rule.keep_best() == 1050 and model.weight.item() == 50
 
 
+def test_the_rule_waits_for_its_first_step(build, monkeypatch):
+    model, rule = scripted_rule(build, monkeypatch, [scores(0.0, 0.5), scores(0.1, 0.1)])
+    rule.start = 100  # no evaluation at 50: the phase has not done its work yet
+    assert run(model, rule, 300) == 150
+    assert [h["step"] for h in rule.history] == [1100, 1150]
+
+
 def test_a_phase_without_evaluations_keeps_its_last_weights(build, monkeypatch):
     model, rule = scripted_rule(build, monkeypatch, [])
     rule.every = 0
