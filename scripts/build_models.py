@@ -237,10 +237,16 @@ def phase_windows(windows: dict, seed: int):
     return lambda: rng.choices(sizes, shares)[0]
 
 
+def phase_dir(out: Path, number: int) -> Path:
+    """Where phase `number` saves the model it ended with: beside the model's directory, not in it (the model's
+    directory is what is committed; .gitignore leaves these out)."""
+    return out.parent / f".{out.name}-phases" / f"phase{number}"
+
+
 def build_dllm(out: Path, steps: list[int], n_per_task: int, eval_prompts: int, seed: int, command: str,
                eval_only: bool = False, phases: tuple = DLLM_PHASES, from_phase: int = 1) -> dict:
     """SFT in `phases` (their step counts replaced by `steps`); with from_phase > 1, start from the model phase
-    from_phase - 1 ended with, saved under out/.phase<n> (a phase is rerun without its predecessors)."""
+    from_phase - 1 ended with, saved under phase_dir(out, n) (a phase is rerun without its predecessors)."""
     start = time.perf_counter()
     tokenizer = build_char_tokenizer(model_max_length=CONTEXT, pad_single_digits=True)
     config = DiffusionLMConfig(vocab_size=len(tokenizer), hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
@@ -257,11 +263,12 @@ def build_dllm(out: Path, steps: list[int], n_per_task: int, eval_prompts: int, 
         previous = json.loads((out / "eval.json").read_text())
         stopped_at, headroom = previous.get("headroom_step"), previous.get("headroom", [])
     elif from_phase > 1:
-        if not (out / f".phase{from_phase - 1}" / "sft_log.json").is_file():
-            raise SystemExit(f"--from-phase {from_phase}: {out / f'.phase{from_phase - 1}'} holds no finished phase "
+        previous = phase_dir(out, from_phase - 1)
+        if not (previous / "sft_log.json").is_file():
+            raise SystemExit(f"--from-phase {from_phase}: {previous} holds no finished phase "
                              f"{from_phase - 1}; build it first (--from-phase {from_phase - 1} or 1)")
-        model = DiffusionLM.from_pretrained(out / f".phase{from_phase - 1}")
-        log = json.loads((out / f".phase{from_phase - 1}" / "sft_log.json").read_text())
+        model = DiffusionLM.from_pretrained(previous)
+        log = json.loads((previous / "sft_log.json").read_text())
     policy = wrap_model(model, "native", tokenizer)
     generator = TextGenerator(policy, tokenizer, gen_length=GEN_LENGTH, block_length=32, steps=GEN_LENGTH)
     done = sum(p["steps"] for p in phases[:from_phase - 1])
@@ -287,8 +294,8 @@ def build_dllm(out: Path, steps: list[int], n_per_task: int, eval_prompts: int, 
         if kept is not None:
             stopped_at, headroom = kept, headroom + stop.history
         model.eval()
-        model.save_pretrained(out / f".phase{number}")
-        (out / f".phase{number}" / "sft_log.json").write_text(json.dumps(log) + "\n")
+        model.save_pretrained(phase_dir(out, number))
+        (phase_dir(out, number) / "sft_log.json").write_text(json.dumps(log) + "\n")
     schedule.save_pretrained(out)
     recipe = "; ".join(
         f"phase {n}: {p['steps']} steps, lr {p['lr']:g} {p['schedule']}, windows "
@@ -407,7 +414,7 @@ def main() -> None:
                         help="the dLLM's SFT steps, one count per phase of DLLM_PHASES, comma-separated")
     parser.add_argument("--from-phase", type=int, default=1,
                         help="rerun the dLLM's SFT from this phase on, from the model the phase before it saved "
-                             "under <out>/tiny-dllm/.phase<n>")
+                             "under <out>/.tiny-dllm-phases/phase<n>")
     parser.add_argument("--ar-steps", type=int, default=2000)
     parser.add_argument("--examples-per-task", type=int, default=20000)
     parser.add_argument("--eval-prompts", type=int, default=200)

@@ -103,4 +103,4 @@ def test_a_later_phase_needs_the_one_before_it(build, tmp_path):
     result = subprocess.run([sys.executable, str(ROOT / "scripts" / "build_models.py"), "--only", "dllm",
                              "--from-phase", "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 1
-    assert f"--from-phase 2: {tmp_path / 'tiny-dllm' / '.phase1'} holds no finished phase 1" in result.stderr
+    assert f"--from-phase 2: {tmp_path / '.tiny-dllm-phases' / 'phase1'} holds no finished phase 1" in result.stderr
