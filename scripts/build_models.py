@@ -16,6 +16,13 @@ gives the command); DLLM_PHASES is the recipe of the next build, with what it me
     python scripts/build_models.py --only dllm --dllm-steps 300,100 --eval-prompts 50 --out /tmp/m   # quick look
     python scripts/build_models.py --only agent    # the agent (models/tiny-dllm-agent) from models/tiny-dllm
                                                    # (scripts/build_agent.py, which runs alone too)
+
+What reads the dLLM's weights, to redo after a rebuild (in its own commit): tests/test_embedded_models.py's SUBSET
+(and AGENT_SUBSET after scripts/build_agent.py), tests/rollout/test_block_cache.py's bounds, tests/test_learning.py's
+steps (scripts/learning_check.py), the README's main-job output and models table, docs/estimators.md's protocol
+table (scripts/protocol_table.py), docs/learning.md (scripts/diagnose_learning.py), docs/benchmarks.md's decoding
+tables (scripts/bench_decoding.py), and the sweeps' kept runs (docs/long_runs/, docs/curation_benchmark/,
+docs/bench_multi_turn/): their settings do not name the model, so move them aside before a sweep reruns.
 """
 
 from __future__ import annotations
