@@ -265,20 +265,21 @@ def build_dllm(out: Path, steps: list[int], n_per_task: int, eval_prompts: int, 
     schedule = MaskingSchedule()
     phases = [{**phase, "steps": n} for phase, n in zip(phases, steps)]
     log, stopped_at, headroom = [], None, []
+    done = 0  # the model's SFT steps so far: a phase the headroom rule ended counts up to the checkpoint it kept
     if eval_only:
         model, tokenizer, log, start = reuse_built(out, DiffusionLM)
         previous = json.loads((out / "eval.json").read_text())
         stopped_at, headroom = previous.get("headroom_step"), previous.get("headroom", [])
     elif from_phase > 1:
         previous = phase_dir(out, from_phase - 1)
-        if not (previous / "sft_log.json").is_file():
+        if not (previous / "phase.json").is_file():  # written last: the phase finished
             raise SystemExit(f"--from-phase {from_phase}: {previous} holds no finished phase "
                              f"{from_phase - 1}; build it first (--from-phase {from_phase - 1} or 1)")
         model = DiffusionLM.from_pretrained(previous)
         log = json.loads((previous / "sft_log.json").read_text())
+        done = json.loads((previous / "phase.json").read_text())["step"]
     policy = wrap_model(model, "native", tokenizer)
     generator = TextGenerator(policy, tokenizer, gen_length=GEN_LENGTH, block_length=32, steps=GEN_LENGTH)
-    done = sum(p["steps"] for p in phases[:from_phase - 1])
     for number, phase in enumerate(phases if not eval_only else [], start=1):
         if number < from_phase:
             continue
@@ -296,16 +297,17 @@ def build_dllm(out: Path, steps: list[int], n_per_task: int, eval_prompts: int, 
                               warmup=phase["warmup"], schedule=phase["schedule"], seed=seed + number - 1,
                               after_step=stop)
         log += [{**entry, "phase": number, "step": done + entry["step"]} for entry in phase_log]
-        done += phase["steps"]
         kept = stop.keep_best()
+        done = kept if kept is not None else done + phase_log[-1]["step"]
         if kept is not None:
             stopped_at, headroom = kept, headroom + stop.history
         model.eval()
         model.save_pretrained(phase_dir(out, number))
         (phase_dir(out, number) / "sft_log.json").write_text(json.dumps(log) + "\n")
+        (phase_dir(out, number) / "phase.json").write_text(json.dumps({"phase": number, "step": done}) + "\n")
     schedule.save_pretrained(out)
     recipe = "; ".join(
-        f"phase {n}: {p['steps']} steps, lr {p['lr']:g} {p['schedule']}, windows "
+        f"phase {n}: up to {p['steps']} steps, lr {p['lr']:g} {p['schedule']}, windows "
         + "/".join(f"{w} ({share:.0%})" for w, share in p["windows"].items())
         + f", Countdown {p['countdown']}, Sudoku share {p['sudoku_share']:g}"
         + (f", headroom rule every {p['every']} steps" if p["every"] else "") for n, p in enumerate(phases, 1))
