@@ -1,7 +1,8 @@
 """Build the embedded agent (models/tiny-dllm-agent) and its card.
 
-The agent is the embedded dLLM fine-tuned on the solver's episodes of two environments (dllm_rl/envs/). `python scripts/build_models.py --only agent` runs the same build (after
-the dLLM it starts from, when both are built).
+The agent is the embedded dLLM fine-tuned on the solver's episodes of two environments (dllm_rl/envs/).
+`python scripts/build_models.py --only agent` runs the same build (after the dLLM it starts from, when both are
+built).
 
     python scripts/build_agent.py                       # from models/tiny-dllm into models/tiny-dllm-agent
     python scripts/build_agent.py --base /tmp/m/tiny-dllm --out /tmp/m   # from another dLLM
@@ -29,8 +30,9 @@ from dllm_rl.sft import diffusion_batch, diffusion_sft_loss, drop_overlong, trai
 
 # The agent: the embedded dLLM fine-tuned on solver episodes of two environments (dllm_rl/envs/), one example per
 # solver turn (the turn prompt with env.history=0, the action as the completion): a model that plays, with room
-# for RL. History 0 because the turn prompts must fit the dLLM's 256-token context and these environments show the
-# whole state in each observation. Its own directory, so the task model's card and pins stay as they are.
+# for RL. History 0 because these environments show the whole state in each observation (and the turn prompts had
+# to fit the 256-token context of models/tiny-dllm; models/.tiny-dllm-phased has 512). Its own
+# directory, so the task model's card and pins stay as they are.
 # Each environment's share of the --agent-turns examples: FrozenLake (reading a position off a flattened map) is
 # the harder one; at equal shares 300 steps gave held-out greedy success 0.50 / 0.00 (corridor / FrozenLake) and
 # 700 steps 1.00 / 0.00 (sampled at T=1: 1.00 / 0.10): the corridor is learnt long before the lake.
@@ -102,7 +104,7 @@ The embedded masked-diffusion policy (`{base.as_posix()}`) fine-tuned on the sol
 - Training data: the turns of the solver's episodes on the train seeds, {turns} in all (shares
   {', '.join(f'{name} {share:g}' for name, share in AGENT_ENVS.items())}), as
   `dllm-rl sft env=<name>` builds them: the turn prompt with `env.history=0` (these environments show the whole
-  state in each observation, and longer histories outgrow the 256-token context), the action as the completion.
+  state in each observation), the action as the completion.
 - Training: masked-diffusion SFT (mean CE over masked tokens), {steps} steps x 32 sequences, AdamW lr 1e-3
   cosine, {precision_of(log)}; action window {AGENT_WINDOW}.
 - Built with `{command}` in {seconds / 60:.1f} minutes on {platform.processor() or platform.machine()}

@@ -10,7 +10,10 @@ trained less far than the AR model: it must leave RL headroom (DLLM_PHASES and i
 model plays the stronger external policy.
 
 models/tiny-dllm was built by the single-phase recipe of commit 9992aa5 (window 64 alone, 1,500 steps; its card
-gives the command); DLLM_PHASES is the recipe of the next build, with what it measured in the comment above it.
+gives the command). DLLM_PHASES' build (seed 0, fp32) is models/.tiny-dllm-phased, with its card: both tasks in the
+headroom band, answers at 64, 128 and 256 tokens under protocol=d1. It is not the default yet: at the learning
+tests' pinned steps (tests/test_learning.py) most estimators do not raise its training reward by their margin (the
+comment above DLLM_PHASES has the numbers), so those tests are re-tuned on it before it replaces models/tiny-dllm.
 
     python scripts/build_models.py                  # both models, as committed
     python scripts/build_models.py --only dllm --dllm-steps 300,100 --eval-prompts 50 --out /tmp/m   # quick look
@@ -81,13 +84,13 @@ SFT_TASKS = {
 WITH_STEPS = {"dllm": {"countdown": False, "sudoku": False}, "ar": {"countdown": True, "sudoku": False}}
 # Examples per task, as a share of --examples-per-task. The dLLM learns Sudoku in a sudden jump as its share
 # grows (1,500 steps each; Countdown / Sudoku greedy pass@1): Sudoku share 0.5 -> 12.5% / 0.0%, 0.75 -> 17.5% /
-# 38.0% (the committed model), 1.0 -> 7.0% / 60.5%.
+# 38.0% (the model before the phased one, 04ca01e), 1.0 -> 7.0% / 60.5%.
 SFT_SHARE = {"dllm": {"countdown": 1.0, "sudoku": 0.75}, "ar": {"countdown": 1.0, "sudoku": 1.0}}
 GEN_LENGTH = 64  # the completion window of evaluation (and of the AR model's SFT)
 
 # The dLLM's SFT runs in phases on one model, each with its own optimizer, schedule, data and windows:
 # - phase 1 is the recipe that taught this model Countdown (window 64 alone, aligned answers; see SFT_TASKS) with
-#   less Sudoku than the old committed model's 0.75, which had Sudoku at 0.38: too far for RL to show anything;
+#   less Sudoku than the single-phase model's 0.75, which had Sudoku at 0.38: too far for RL to show anything;
 # - phase 2 teaches what the protocols need and keeps what phase 1 learnt: completion windows of 64, 128 and 256
 #   tokens (a batch's window drawn by these shares; the EOS fill after the answer is what the long windows add),
 #   Countdown answers in `aligned_first` (aligned where the prompt's order allows one, else any order: every
@@ -110,6 +113,17 @@ GEN_LENGTH = 64  # the completion window of evaluation (and of the AR model's SF
 #   0.17 at 200) read Countdown 0.016, 0.016, 0.188, 0.016, 0.031 and Sudoku 0.000, 0.000, 0.016, 0.016, 0.000 at
 #   its steps 50-250, where the run was stopped (no checkpoint in the band yet; phase 2 needs about 3.5 s a step
 #   and 1.5 minutes an evaluation here). Countdown swings at this lr: the next try is phase 2 at 3e-4, as the probe.
+# - models/.tiny-dllm-phased (these phases, build seed 0, fp32, 108 minutes): phase 1's rule (from step 900,
+#   Sudoku share 0.6) read 0.031/0.031, 0.047/0.031 and 0.078/0.109 (Countdown/Sudoku) at steps 900, 1,050,
+#   1,200 and ended the phase there; phase 2 at lr 3e-4 (loss 0.85 at its step 100, 0.10 at 600) kept Sudoku at 0.062-0.141 while
+#   Countdown sat at 0.016-0.031 from its step 150 to 550 and came back to 0.062 at 600 (Sudoku 0.109), the rule's
+#   only phase-2 checkpoint in the band. On 200 test prompts: Countdown 0.090 (format 0.980), Sudoku 0.070; under
+#   protocol=d1 (64 prompts) 0.062/0.062/0.062 and 0.078/0.062/0.078 at 64/128/256, format 1.000 everywhere. Its
+#   block cache agrees with the exact sampler on 97.0% (prefix, dual) and 98.0% (dual, refresh 4) of 32 greedy
+#   Sudoku rollouts' tokens; its first 32 test prompts: Countdown 4, Sudoku 3 right. tests/test_learning.py's runs
+#   on it (fp32, 8 Sudoku prompts, their pinned steps and lr 1e-4; training reward starts near 0.08): rise over 5
+#   steps mean_field -0.025, elbo +0.050, coupled -0.042, espo +0.108, ordered +0.092, left_to_right +0.054,
+#   spg -0.008, ERILS +0.129 against the margin 0.10; ordered, left_to_right and ERILS still rising at their end.
 DLLM_PHASES = (
     {"steps": 1500, "lr": 2e-3, "schedule": "cosine", "warmup": 100, "windows": {64: 1.0},
      "countdown": "aligned", "sudoku_share": 0.6, "every": 150, "from": 900},
@@ -140,7 +154,8 @@ def headroom_gap(evals: dict) -> float:
 
 class HeadroomStop:
     """train_sft's after_step for a phase: every `every` steps from `start` on, evaluate; end the phase at the
-    first checkpoint in HEADROOM, and remember the nearest one (its weights), which `keep_best` restores when none was inside."""
+    first checkpoint in HEADROOM, and remember the nearest one (its weights; the later of equals), which
+    `keep_best` restores when none was inside."""
 
     def __init__(self, model, generator: TextGenerator, offset: int, every: int, start: int = 0, print_fn=print):
         self.model, self.generator, self.offset, self.every, self.print = model, generator, offset, every, print_fn
@@ -157,7 +172,7 @@ class HeadroomStop:
         gap, at = headroom_gap(evals), self.offset + step
         self.history.append({"step": at, **{t: s["pass@1"] for t, s in evals.items()}})
         self.print(f"headroom at step {at}: " + ", ".join(f"{t} {s['pass@1']:.3f}" for t, s in evals.items()))
-        if self.best is None or gap < self.best[0]:
+        if self.best is None or gap <= self.best[0]:  # of equals the later: it has done more of the phase's work
             state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
             self.best = (gap, at, state)
         return gap == 0.0

@@ -67,6 +67,12 @@ def test_without_a_checkpoint_inside_the_nearest_is_restored(build, monkeypatch)
     assert rule.keep_best() == 1050 and model.weight.item() == 50
 
 
+def test_of_equally_near_checkpoints_the_later_is_restored(build, monkeypatch):
+    model, rule = scripted_rule(build, monkeypatch, [scores(0.031, 0.109), scores(0.016, 0.109), scores(0.031, 0.141)])
+    assert run(model, rule, 150) == 150
+    assert rule.keep_best() == 1150 and model.weight.item() == 150  # gaps 0.019, 0.034, 0.019
+
+
 def test_the_rule_waits_for_its_first_step(build, monkeypatch):
     model, rule = scripted_rule(build, monkeypatch, [scores(0.0, 0.5), scores(0.1, 0.1)])
     rule.start = 100  # no evaluation at 50: the phase has not done its work yet
