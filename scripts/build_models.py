@@ -115,15 +115,15 @@ GEN_LENGTH = 64  # the completion window of evaluation (and of the AR model's SF
 #   and 1.5 minutes an evaluation here). Countdown swings at this lr: the next try is phase 2 at 3e-4, as the probe.
 # - models/.tiny-dllm-phased (these phases, build seed 0, fp32, 108 minutes): phase 1's rule (from step 900,
 #   Sudoku share 0.6) read 0.031/0.031, 0.047/0.031 and 0.078/0.109 (Countdown/Sudoku) at steps 900, 1,050,
-#   1,200 and ended the phase there; phase 2 at lr 3e-4 (loss 0.85 at its step 100, 0.10 at 600) kept Sudoku at 0.062-0.141 while
-#   Countdown sat at 0.016-0.031 from its step 150 to 550 and came back to 0.062 at 600 (Sudoku 0.109), the rule's
-#   only phase-2 checkpoint in the band. On 200 test prompts: Countdown 0.090 (format 0.980), Sudoku 0.070; under
-#   protocol=d1 (64 prompts) 0.062/0.062/0.062 and 0.078/0.062/0.078 at 64/128/256, format 1.000 everywhere. Its
-#   block cache agrees with the exact sampler on 97.0% (prefix, dual) and 98.0% (dual, refresh 4) of 32 greedy
-#   Sudoku rollouts' tokens; its first 32 test prompts: Countdown 4, Sudoku 3 right. tests/test_learning.py's runs
-#   on it (fp32, 8 Sudoku prompts, their pinned steps and lr 1e-4; training reward starts near 0.08): rise over 5
-#   steps mean_field -0.025, elbo +0.050, coupled -0.042, espo +0.108, ordered +0.092, left_to_right +0.054,
-#   spg -0.008, ERILS +0.129 against the margin 0.10; ordered, left_to_right and ERILS still rising at their end.
+#   1,200 and ended the phase there; phase 2 at lr 3e-4 (loss 0.85 at its step 100, 0.10 at 600) kept Sudoku at
+#   0.062-0.141 while Countdown sat at 0.016-0.031 from its step 150 to 550 and came back to 0.062 at 600 (Sudoku
+#   0.109), the rule's only phase-2 checkpoint in the band. On 200 test prompts: Countdown 0.090 (format 0.980), Sudoku
+#   0.070; under protocol=d1 (64 prompts) 0.062/0.062/0.062 and 0.078/0.062/0.078 at 64/128/256, format 1.000
+#   everywhere. Its block cache agrees with the exact sampler on 97.0% (prefix, dual) and 98.0% (dual, refresh 4) of 32
+#   greedy Sudoku rollouts' tokens; its first 32 test prompts: Countdown 4, Sudoku 3 right. tests/test_learning.py's
+#   runs on it (fp32, 8 Sudoku prompts, their pinned steps and lr 1e-4; training reward starts near 0.08): rise over 5
+#   steps mean_field -0.025, elbo +0.050, coupled -0.042, espo +0.108, ordered +0.092, left_to_right +0.054, spg -0.008,
+#   ERILS +0.129 against the margin 0.10; ordered, left_to_right and ERILS still rising at their end.
 DLLM_PHASES = (
     {"steps": 1500, "lr": 2e-3, "schedule": "cosine", "warmup": 100, "windows": {64: 1.0},
      "countdown": "aligned", "sudoku_share": 0.6, "every": 150, "from": 900},
