@@ -135,8 +135,11 @@ def main() -> None:
                if k in ("agent_steps", "agent_turns", "agent_eval_seeds", "seed", "base")
                and v != parser.get_default(k)]
     out = Path(args.out)
+    base = Path(args.base) if args.base else out / "tiny-dllm"
+    if not (base / "config.json").is_file() and not args.eval_only:
+        parser.error(f"--base {base}: expected a dLLM's model directory (with config.json) to fine-tune")
     print(json.dumps({"tiny-dllm-agent": build_agent(
-        out / "tiny-dllm-agent", Path(args.base) if args.base else out / "tiny-dllm", args.agent_steps,
+        out / "tiny-dllm-agent", base, args.agent_steps,
         args.agent_turns, args.agent_eval_seeds, args.seed, " ".join(["python scripts/build_agent.py", *changed]),
         args.eval_only)}, indent=2))
 

@@ -110,3 +110,11 @@ def test_a_later_phase_needs_the_one_before_it(build, tmp_path):
                              "--from-phase", "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 1
     assert f"--from-phase 2: {tmp_path / '.tiny-dllm-phases' / 'phase1'} holds no finished phase 1" in result.stderr
+
+
+@pytest.mark.slow  # a fresh interpreter imports torch
+def test_the_agent_build_names_a_base_that_is_not_a_model(tmp_path):
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "build_agent.py"), "--base", str(tmp_path),
+                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert f"--base {tmp_path}: expected a dLLM's model directory (with config.json)" in result.stderr
