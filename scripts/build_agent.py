@@ -31,7 +31,7 @@ from dllm_rl.sft import diffusion_batch, diffusion_sft_loss, drop_overlong, trai
 # The agent: the embedded dLLM fine-tuned on solver episodes of two environments (dllm_rl/envs/), one example per
 # solver turn (the turn prompt with env.history=0, the action as the completion): a model that plays, with room
 # for RL. History 0 because these environments show the whole state in each observation (and the turn prompts had
-# to fit the 256-token context of models/tiny-dllm; models/.tiny-dllm-phased has 512). Its own
+# to fit the 256-token context of the dLLM it was built from, the one before models/tiny-dllm's 512). Its own
 # directory, so the task model's card and pins stay as they are.
 # Each environment's share of the --agent-turns examples: FrozenLake (reading a position off a flattened map) is
 # the harder one; at equal shares 300 steps gave held-out greedy success 0.50 / 0.00 (corridor / FrozenLake) and

@@ -57,8 +57,10 @@ COMMON = ["prompts_per_step=8", "group_size=6", "train_pool=200", "rollout.thres
 TASK_OVERRIDES: dict[str, list[str]] = {"sudoku": [], "countdown": ["lr=2.0e-5"]}
 # per task, arms with an external policy: the Countdown solver writes its answers in the embedded dLLM's own
 # format (`aligned`: 83 -64 -4); its default (`free`: 83-64-4) collapsed ERILS at lr 2e-5 by step 50, aligned held
-# the format through 80 steps (docs/long_runs.md)
-EXTERNAL_TASK_OVERRIDES: dict[str, list[str]] = {"sudoku": [], "countdown": ["task.solver_style=aligned"]}
+# the format through 80 steps (docs/long_runs.md). `aligned_first` writes that format for every solvable instance
+# (aligned where it can, else any order, spaced alike), as the current embedded dLLM's last SFT phase did; `aligned`
+# declined the ~40% without an aligned answer, which the previous model could not write either
+EXTERNAL_TASK_OVERRIDES: dict[str, list[str]] = {"sudoku": [], "countdown": ["task.solver_style=aligned_first"]}
 PHASES = ("perf/rollout_s", "perf/external_s", "perf/score_s", "perf/update_s")
 EVALS = ("eval/pass@1", "eval/best_of_4", "eval/pass1_external_solved", "eval/pass1_external_failed")
 

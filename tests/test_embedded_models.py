@@ -39,7 +39,7 @@ def test_models_are_small_and_load():
 # checks its first 32 held-out prompts per task against their pinned counts (within one prompt, for numerical
 # differences between machines), and that those counts agree with the card's 200-prompt numbers within 2 standard
 # errors. `dllm-rl eval model=models/tiny-dllm task=<task> num_prompts=200 rollout.gen_length=64` reproduces the card.
-SUBSET = {"tiny-dllm": (32, {"countdown": 7, "sudoku": 9})}
+SUBSET = {"tiny-dllm": (32, {"countdown": 4, "sudoku": 3})}
 
 
 @pytest.mark.slow
@@ -86,8 +86,8 @@ def test_the_agent_plays_as_its_card_says(tmp_path):
 def test_the_dllm_leaves_headroom_and_the_ar_model_is_stronger():
     dllm = json.loads((MODELS / "tiny-dllm" / "eval.json").read_text())["evals"]
     ar = json.loads((MODELS / "tiny-ar" / "eval.json").read_text())["evals"]
-    assert 0.05 <= dllm["sudoku"]["pass@1"] <= 0.5
-    assert 0.05 <= dllm["countdown"]["pass@1"] <= 0.5
+    assert 0.05 <= dllm["sudoku"]["pass@1"] <= 0.2  # the headroom band of scripts/build_models.py
+    assert 0.05 <= dllm["countdown"]["pass@1"] <= 0.2
     for task in ("sudoku", "countdown"):  # the clearly stronger external policy on both tasks
         assert ar[task]["pass@1"] > dllm[task]["pass@1"] + 0.15, task
 

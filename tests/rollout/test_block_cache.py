@@ -86,7 +86,7 @@ def sudoku_exact():
 def test_once_per_block_the_cache_stays_within_its_documented_bound(sudoku_exact, cache, refresh, bound):
     """The documented bound (docs/benchmarks.md): on the embedded dLLM, 32 greedy Sudoku rollouts of 64 tokens
     agree with the exact sampler on at least 95% of their tokens with either cache refreshed once per block
-    (measured 97.7% prefix, 97.1% dual), 97% with the dual cache refreshed every 4 steps (98.4%)."""
+    (measured 97.0% prefix, 97.0% dual), 97% with the dual cache refreshed every 4 steps (98.0%)."""
     generator, prompts, exact_BC = sudoku_exact
     generator.cache, generator.cache_refresh = cache, refresh
     cached_BC = generator.sample(prompts, list(range(32))).completion_BC
