@@ -2,9 +2,11 @@
 must catch: the learning rate at 0 (no update) and the update's sign flipped (the loss negated, so the step
 ascends it). Prints one table and writes JSON; docs/learning.md quotes it.
 
-    python scripts/learning_check.py --json docs/learning_check.json
+    python scripts/learning_check.py --variants normal,lr0,flipped --erils --json docs/learning_check_fp32.json
     python scripts/learning_check.py --estimators mean_field --variants normal,lr0,flipped --erils
     python scripts/learning_check.py --bf16 false   # fp32, as a CPU without native bf16 runs the tests
+
+docs/learning_check_fp32.json was measured on a CPU without native bf16 (where `auto` is fp32).
 
 The flipped sign is made here, by wrapping the loss the learner calls (`dllm_rl.learner.grpo_loss`): no option of
 the trainer flips it.
@@ -73,7 +75,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     results = []
-    print(f"margin {spec.MARGIN} over the first and last {spec.WINDOW} steps")
+    print(f"margin {spec.MARGIN}: the mean of the last {spec.WINDOW} steps over the first step")
     print(f"{'estimator':<14} {'variant':<8} {'source':<6} {'rise':>7} {'passes':>6} {'s':>6}")
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.estimators.split(","):
